@@ -1,0 +1,1 @@
+//! Shared fixtures for the criterion benches (layouts and block lists shaped like real requests).

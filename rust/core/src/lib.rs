@@ -1,0 +1,15 @@
+//! kvpush core: everything about push KV transfer that needs neither Python nor NIXL.
+//!
+//! * [`key`]: transfer keys, the canonical form of vLLM request ids;
+//! * [`rendezvous`]: the table where D's registration meets P's finished KV;
+//! * [`layout`] and [`planner`]: KV cache layouts and the (src, dst, len) runs to write;
+//! * [`protocol`]: the kvpush/1 control messages, their codec and authentication.
+
+pub mod key;
+pub mod layout;
+pub mod planner;
+pub mod protocol;
+pub mod rendezvous;
+mod sync;
+
+pub use key::{canonical_request_id, TransferKey};

@@ -1,0 +1,1 @@
+//! kvpush/1 control messages, their codec and authentication.

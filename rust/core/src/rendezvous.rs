@@ -1,0 +1,1 @@
+//! The rendezvous table where D's registration meets P's finished KV.
