@@ -11,7 +11,7 @@ use proptest::prelude::*;
 const NOW: u64 = 1_700_000_000_000;
 
 fn secret() -> Secret {
-    Secret::from_bytes(b"property-test shared secret 0123").unwrap()
+    Secret::from_bytes(b"property-test shared secret 0123").expect("32 bytes is long enough")
 }
 
 fn text() -> impl Strategy<Value = String> {
