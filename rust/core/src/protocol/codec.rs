@@ -723,6 +723,19 @@ mod tests {
     }
 
     #[test]
+    fn duplicate_envelope_keys_are_malformed() {
+        // Append a second "seq" to a valid envelope map: which one would count is ambiguous.
+        let frame = Encoder::new("p", None).encode(&Message::Done(done()), NOW);
+        let mut envelope = frame[PREFIX_LEN..].to_vec();
+        assert_eq!(envelope[0], 0x87, "a 7-entry fixmap (no mac)");
+        envelope[0] = 0x88;
+        envelope.extend_from_slice(&[0xa3, b's', b'e', b'q', 0x05]);
+        let mut decoder = Decoder::new(None, Limits::default());
+        let err = decoder.decode(&prefixed(envelope), NOW).unwrap_err();
+        assert_eq!(err.code(), "malformed", "{err}");
+    }
+
+    #[test]
     fn other_versions_are_unsupported_even_if_their_shape_changed() {
         let body = Message::Done(done()).to_body();
         let mut decoder = Decoder::new(None, Limits::default());
