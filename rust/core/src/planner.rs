@@ -233,6 +233,37 @@ pub enum PlanError {
     },
 }
 
+impl PlanError {
+    /// A stable snake_case name of the error, for metrics and logs.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::Incompatible { .. } => "incompatible_layouts",
+            Self::Layout { .. } => "invalid_layout",
+            Self::GroupCount { .. } => "group_count",
+            Self::UnalignedStart { .. } => "unaligned_start",
+            Self::StartBeyondEnd { .. } => "start_beyond_end",
+            Self::SourceMissesTokens { .. } => "source_misses_tokens",
+            Self::BlockCountMismatch { .. } => "block_count_mismatch",
+            Self::BlockOutOfRange { .. } => "block_out_of_range",
+            Self::DuplicateBlock { .. } => "duplicate_block",
+        }
+    }
+
+    /// The request the error concerns; `None` for errors about the layouts themselves.
+    pub fn request(&self) -> Option<&str> {
+        match self {
+            Self::Incompatible { .. } | Self::Layout { .. } => None,
+            Self::GroupCount { request, .. }
+            | Self::UnalignedStart { request, .. }
+            | Self::StartBeyondEnd { request, .. }
+            | Self::SourceMissesTokens { request, .. }
+            | Self::BlockCountMismatch { request, .. }
+            | Self::BlockOutOfRange { request, .. }
+            | Self::DuplicateBlock { request, .. } => Some(request),
+        }
+    }
+}
+
 /// Plans the writes from one P rank to one D rank.
 ///
 /// Invariant: both layouts passed [`KvLayout::validate`] and every id in a validated request is

@@ -1,7 +1,39 @@
 //! `kvpush._native`: the PyO3 binding of kvpush-core.
+//!
+//! Thin by design: each wrapper converts Python arguments into owned Rust values, runs the core
+//! (releasing the GIL for anything longer than a map operation, see [`native`]) and maps core
+//! errors onto the `kvpush.exceptions` hierarchy in one place ([`errors`]). No logic lives here
+//! that a Rust caller of kvpush-core would not also get.
+
 use pyo3::prelude::*;
 
-#[pymodule]
-fn _native(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+mod errors;
+mod native;
+mod planner;
+
+/// The transfer key P and D both derive for a request: `transfer_id` when given, else the
+/// request id without vLLM's per-engine suffix and front-end prefix.
+#[pyfunction]
+#[pyo3(signature = (request_id, transfer_id = None))]
+fn transfer_key(request_id: &str, transfer_id: Option<&str>) -> String {
+    kvpush_core::TransferKey::for_request(transfer_id, request_id).as_str().to_owned()
+}
+
+/// The part of a vLLM request id that P and D share (see `transfer_key`).
+#[pyfunction]
+fn canonical_request_id(request_id: &str) -> &str {
+    kvpush_core::canonical_request_id(request_id)
+}
+
+#[pymodule(gil_used = false)]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    m.add_function(wrap_pyfunction!(transfer_key, m)?)?;
+    m.add_function(wrap_pyfunction!(canonical_request_id, m)?)?;
+    m.add_class::<planner::Region>()?;
+    m.add_class::<planner::KvLayout>()?;
+    m.add_class::<planner::Planner>()?;
+    m.add_class::<planner::Plan>()?;
     Ok(())
 }

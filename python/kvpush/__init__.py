@@ -1,0 +1,50 @@
+"""kvpush: push-based KV-cache transfer for disaggregated prefill/decode serving.
+
+The public API is re-exported here from the native core (``kvpush._native``, private):
+
+* :class:`RendezvousTable`: where D's registration meets P's finished KV;
+* :class:`KvLayout`, :class:`Region`, :class:`Planner`, :class:`Plan`: block ids to byte runs;
+* :class:`Encoder`, :class:`Decoder`: the kvpush/1 control messages (``docs/protocol.md``);
+* :func:`transfer_key`, :func:`canonical_request_id`: how P and D name one request;
+* :mod:`kvpush.exceptions`: the error hierarchy.
+
+Importing kvpush never imports vLLM.
+"""
+
+from kvpush._native import (
+    PROTOCOL_VERSION,
+    Arrival,
+    Cancellation,
+    Decoder,
+    Encoder,
+    Expired,
+    Finished,
+    KvLayout,
+    Plan,
+    Planner,
+    Region,
+    RendezvousTable,
+    __version__,
+    canonical_request_id,
+    frame_length,
+    transfer_key,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Arrival",
+    "Cancellation",
+    "Decoder",
+    "Encoder",
+    "Expired",
+    "Finished",
+    "KvLayout",
+    "Plan",
+    "Planner",
+    "Region",
+    "RendezvousTable",
+    "__version__",
+    "canonical_request_id",
+    "frame_length",
+    "transfer_key",
+]

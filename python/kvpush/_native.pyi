@@ -1,0 +1,240 @@
+"""Type stubs of the native core (``kvpush._native``). Import from ``kvpush`` instead."""
+
+from collections.abc import Sequence
+from typing import Any, Literal, final
+
+__version__: str
+PROTOCOL_VERSION: int
+
+def transfer_key(request_id: str, transfer_id: str | None = None) -> str:
+    """The key P and D both derive: ``transfer_id`` if given, else the canonical request id."""
+
+def canonical_request_id(request_id: str) -> str:
+    """A vLLM request id without its front-end prefix and per-engine random suffix."""
+
+# --- layouts and planning -------------------------------------------------------------------
+
+@final
+class Region:
+    """One array of kernel blocks: block ``k`` starts at ``base + k * block_stride``."""
+
+    def __init__(self, base: int, block_stride: int, num_blocks: int, group: int = 0) -> None: ...
+    @property
+    def base(self) -> int: ...
+    @property
+    def block_stride(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def group(self) -> int: ...
+
+@final
+class KvLayout:
+    """One worker's KV cache: regions, block sizes, heads and byte order. Validated on creation."""
+
+    def __init__(
+        self,
+        regions: Sequence[Region],
+        *,
+        block_tokens: int,
+        heads: int,
+        head_bytes: int,
+        kernel_block_tokens: int | None = None,
+        token_order: Literal["NHD", "HND"] = "NHD",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None: ...
+    @property
+    def regions(self) -> list[Region]: ...
+    @property
+    def block_tokens(self) -> int: ...
+    @property
+    def kernel_block_tokens(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def head_bytes(self) -> int: ...
+    @property
+    def token_order(self) -> Literal["NHD", "HND"]: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    def to_dict(self) -> dict[str, Any]: ...
+    @staticmethod
+    def from_dict(layout: dict[str, Any]) -> KvLayout: ...
+
+@final
+class Plan:
+    """The runs to WRITE for one request, merged where contiguous on both sides."""
+
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def unmerged_runs(self) -> int: ...
+    def __len__(self) -> int: ...
+    def runs(self) -> list[tuple[int, int, int]]:
+        """``(src_addr, dst_addr, length)`` triples."""
+
+    def to_bytes(self) -> bytes:
+        """The runs as native-endian ``uint64`` triples (``memoryview(...).cast("Q")``)."""
+
+@final
+class Planner:
+    """Plans writes from one P rank's layout (source) into one D rank's layout (destination)."""
+
+    def __init__(self, src: KvLayout, dst: KvLayout) -> None: ...
+    @property
+    def writes_anything(self) -> bool:
+        """False when the two ranks share no KV heads (nothing to write between them)."""
+
+    def plan(
+        self,
+        request: str,
+        num_tokens: int,
+        src_blocks: Sequence[Sequence[int]] | Sequence[int],
+        dst_blocks: Sequence[Sequence[int]] | Sequence[int],
+        *,
+        src_first_tokens: Sequence[int] | None = None,
+        dst_first_tokens: Sequence[int] | None = None,
+    ) -> Plan:
+        """Runs for ``num_tokens`` tokens. Block lists are per KV group (a flat list is one
+        group); ``*_first_tokens[g]`` is the token the group's first block starts at (D's
+        prefix-cache hit: D lists only its uncached suffix)."""
+
+# --- rendezvous -----------------------------------------------------------------------------
+
+@final
+class Arrival:
+    """What inserting one half of a transfer did."""
+
+    @property
+    def matched(self) -> bool: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def epoch(self) -> int | None: ...
+    @property
+    def registration(self) -> Any: ...
+    @property
+    def ready(self) -> Any: ...
+    @property
+    def superseded(self) -> Any:
+        """The registration a higher epoch replaced, if any."""
+
+@final
+class Finished:
+    @property
+    def outcome(self) -> Literal["done", "failed"]: ...
+    @property
+    def cancel_acknowledged(self) -> bool: ...
+    @property
+    def rematch(self) -> Arrival | None: ...
+
+@final
+class Cancellation:
+    @property
+    def status(self) -> Literal["not_found", "removed", "deferred"]: ...
+    @property
+    def registration(self) -> Any: ...
+    @property
+    def ready(self) -> Any: ...
+
+@final
+class Expired:
+    @property
+    def key(self) -> str: ...
+    @property
+    def epoch(self) -> int | None: ...
+    @property
+    def registration(self) -> Any: ...
+    @property
+    def ready(self) -> Any: ...
+    @property
+    def was_matched(self) -> bool: ...
+
+@final
+class RendezvousTable:
+    """Thread-safe. Times are seconds on the table's own monotonic clock (``now()``); pass
+    ``now=`` to drive it deterministically."""
+
+    def __init__(
+        self, *, shards: int = 64, max_entries: int = 65536, fence_ttl: float = 60.0
+    ) -> None: ...
+    def now(self) -> float: ...
+    def register(
+        self,
+        request_id: str,
+        epoch: int,
+        payload: Any,
+        *,
+        ttl: float,
+        transfer_id: str | None = None,
+        now: float | None = None,
+    ) -> Arrival: ...
+    def ready(
+        self,
+        request_id: str,
+        payload: Any,
+        *,
+        ttl: float,
+        transfer_id: str | None = None,
+        now: float | None = None,
+    ) -> Arrival: ...
+    def begin_write(self, key: str, epoch: int) -> None: ...
+    def finish(
+        self, key: str, epoch: int, *, error: str | None = None, now: float | None = None
+    ) -> Finished: ...
+    def cancel(
+        self, key: str, epoch: int | None = None, *, now: float | None = None
+    ) -> Cancellation: ...
+    def expire(self, *, now: float | None = None) -> list[Expired]: ...
+    def __len__(self) -> int: ...
+    @property
+    def fences(self) -> int: ...
+
+# --- kvpush/1 protocol ----------------------------------------------------------------------
+
+def frame_length(prefix: bytes, max_frame_bytes: int = ...) -> int | None:
+    """Total bytes of the frame ``prefix`` starts, or None while fewer than 4 bytes are known."""
+
+@final
+class Encoder:
+    """Signs (with a secret) and frames messages; one per sender, safe to share across threads."""
+
+    def __init__(self, sender: str, secret: bytes | None = None) -> None: ...
+    def encode(self, message: dict[str, Any], *, now_ms: int | None = None) -> bytes:
+        """``message`` is ``{"kind": "register" | "done" | ..., **fields}``."""
+
+@final
+class Decoder:
+    """Verifies and decodes frames; keeps the replay windows of its peers."""
+
+    def __init__(
+        self,
+        secret: bytes | None = None,
+        *,
+        max_frame_bytes: int = ...,
+        max_block_ids: int = ...,
+        max_clock_skew: float = 30.0,
+    ) -> None: ...
+    def decode(self, frame: bytes, *, now_ms: int | None = None) -> dict[str, Any]:
+        """``{"sender", "session", "seq", "ts_ms", "message": {"kind": ..., **fields}}``."""
+
+# --- exceptions (re-exported by kvpush.exceptions) ------------------------------------------
+
+class KvPushError(Exception):
+    code: str
+class LayoutError(KvPushError): ...
+class PlanError(KvPushError): ...
+class InvalidBlocksError(PlanError): ...
+class RendezvousError(KvPushError): ...
+class StaleEpochError(RendezvousError): ...
+class FencedError(RendezvousError): ...
+class DuplicateReadyError(RendezvousError): ...
+class NotMatchedError(RendezvousError): ...
+class TableFullError(RendezvousError): ...
+class ProtocolError(KvPushError): ...
+class MessageTooLargeError(ProtocolError): ...
+class MalformedMessageError(ProtocolError): ...
+class AuthenticationError(ProtocolError): ...

@@ -1,0 +1,100 @@
+//! The kvpush exception hierarchy and the one mapping from core errors onto it.
+//!
+//! The classes are declared under their public path (`kvpush.exceptions`) so tracebacks and
+//! `repr` name what user code imports. Every raised instance carries a stable `code` attribute
+//! (snake_case) for metrics, and `key` or `request` where the error concerns one transfer.
+
+use kvpush_core::planner;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+
+create_exception!(kvpush.exceptions, KvPushError, PyException, "Base class of every kvpush error.");
+create_exception!(kvpush.exceptions, LayoutError, KvPushError, "A KV layout is inconsistent, or two layouts cannot be paired.");
+create_exception!(kvpush.exceptions, PlanError, KvPushError, "A transfer cannot be planned from the block lists given.");
+create_exception!(kvpush.exceptions, InvalidBlocksError, PlanError, "A peer sent out-of-range, duplicate or miscounted block ids.");
+create_exception!(kvpush.exceptions, RendezvousError, KvPushError, "The rendezvous table refused an arrival or a transition.");
+create_exception!(kvpush.exceptions, StaleEpochError, RendezvousError, "A registration older than the current one.");
+create_exception!(kvpush.exceptions, FencedError, RendezvousError, "The transfer already ended: delivered, failed, cancelled or expired.");
+create_exception!(kvpush.exceptions, DuplicateReadyError, RendezvousError, "The KV of a request was reported ready twice.");
+create_exception!(kvpush.exceptions, NotMatchedError, RendezvousError, "A write began or finished for an epoch that is not the matched one.");
+create_exception!(kvpush.exceptions, TableFullError, RendezvousError, "Too many transfers pending: back off and retry.");
+create_exception!(kvpush.exceptions, ProtocolError, KvPushError, "A kvpush/1 message was refused.");
+create_exception!(kvpush.exceptions, MessageTooLargeError, ProtocolError, "A frame over the size limit.");
+create_exception!(kvpush.exceptions, MalformedMessageError, ProtocolError, "Not a valid kvpush/1 frame.");
+create_exception!(kvpush.exceptions, AuthenticationError, ProtocolError, "Unsigned, forged, replayed or too old, with a secret configured.");
+
+/// Adds every exception class to the module.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("KvPushError", py.get_type::<KvPushError>())?;
+    m.add("LayoutError", py.get_type::<LayoutError>())?;
+    m.add("PlanError", py.get_type::<PlanError>())?;
+    m.add("InvalidBlocksError", py.get_type::<InvalidBlocksError>())?;
+    m.add("RendezvousError", py.get_type::<RendezvousError>())?;
+    m.add("StaleEpochError", py.get_type::<StaleEpochError>())?;
+    m.add("FencedError", py.get_type::<FencedError>())?;
+    m.add("DuplicateReadyError", py.get_type::<DuplicateReadyError>())?;
+    m.add("NotMatchedError", py.get_type::<NotMatchedError>())?;
+    m.add("TableFullError", py.get_type::<TableFullError>())?;
+    m.add("ProtocolError", py.get_type::<ProtocolError>())?;
+    m.add("MessageTooLargeError", py.get_type::<MessageTooLargeError>())?;
+    m.add("MalformedMessageError", py.get_type::<MalformedMessageError>())?;
+    m.add("AuthenticationError", py.get_type::<AuthenticationError>())?;
+    Ok(())
+}
+
+/// A core error on its way to Python: the one place that decides which exception each becomes.
+#[derive(Debug)]
+pub(crate) enum Error {
+    Plan(planner::PlanError),
+}
+
+impl From<planner::PlanError> for Error {
+    fn from(error: planner::PlanError) -> Self {
+        Self::Plan(error)
+    }
+}
+
+impl From<Error> for PyErr {
+    fn from(error: Error) -> Self {
+        match error {
+            Error::Plan(error) => {
+                let class = match error {
+                    planner::PlanError::Incompatible { .. } | planner::PlanError::Layout { .. } => {
+                        Python::attach(|py| py.get_type::<LayoutError>().unbind())
+                    }
+                    _ => Python::attach(|py| py.get_type::<InvalidBlocksError>().unbind()),
+                };
+                raise(class, &error, error.code(), &[("request", error.request())])
+            }
+        }
+    }
+}
+
+/// A `LayoutError` for a layout that failed validation before any planner saw it.
+pub(crate) fn layout_error(error: kvpush_core::layout::LayoutError) -> PyErr {
+    Python::attach(|py| raise(py.get_type::<LayoutError>().unbind(), &error, "invalid_layout", &[]))
+}
+
+/// Builds an exception of `class` with `error`'s message, its `code` and the given attributes
+/// (`None` values are set too, so `getattr(e, "request")` is always safe on these classes).
+fn raise(
+    class: Py<PyType>,
+    error: &dyn std::fmt::Display,
+    code: &'static str,
+    attributes: &[(&str, Option<&str>)],
+) -> PyErr {
+    Python::attach(|py| {
+        let err = PyErr::from_type(class.into_bound(py), error.to_string());
+        let value = err.value(py);
+        // Setting an attribute on a fresh exception instance cannot fail short of memory
+        // exhaustion; the exception is still worth raising without it.
+        let _ = value.setattr("code", code);
+        for (name, attribute) in attributes {
+            let _ = value.setattr(*name, *attribute);
+        }
+        err
+    })
+}

@@ -1,0 +1,34 @@
+//! The one path every long native call takes from Python into the core.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use pyo3::prelude::*;
+
+use crate::errors::{Error, KvPushError};
+
+/// Runs `work` with the GIL released, turning a panic into a `KvPushError` and the core's error
+/// into the Python exception [`Error`] maps it to.
+///
+/// The closure gets only owned Rust values (`Send`, which is what PyO3's `Ungil` means off nightly), so no Python object is touched while other
+/// Python threads run. A panic is a kvpush bug; surfacing it as `KvPushError` (an `Exception`)
+/// rather than PyO3's `PanicException` (a `BaseException`) lets a serving engine's usual
+/// `except Exception` keep the engine alive and fail just the request.
+pub(crate) fn native<T, E>(py: Python<'_>, work: impl FnOnce() -> Result<T, E> + Send) -> PyResult<T>
+where
+    T: Send,
+    E: Into<Error> + Send,
+{
+    match py.detach(|| catch_unwind(AssertUnwindSafe(work))) {
+        Ok(result) => result.map_err(|error| PyErr::from(error.into())),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_owned());
+            Err(KvPushError::new_err(format!(
+                "internal error in kvpush's native core (please report it): {what}"
+            )))
+        }
+    }
+}
