@@ -498,11 +498,14 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                     AfterWrite::Rematch { epoch, registration, deadline } => {
                         let rematch =
                             Match { key: key.clone(), epoch, registration, ready: ready.clone() };
+                        // Deadlines that ran out during the write (which nothing expires) end
+                        // the rematch at the next `expire`, and its fence then lasts from now,
+                        // not from a deadline that may be older than `fence_ttl`.
                         let state = State::Matched {
                             epoch,
                             ready,
-                            ready_deadline,
-                            registration_deadline: deadline,
+                            ready_deadline: ready_deadline.max(now),
+                            registration_deadline: deadline.max(now),
                         };
                         (state, Some(rematch))
                     }
@@ -562,7 +565,8 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                     AfterWrite::Rematch { epoch, .. } => *epoch,
                     AfterWrite::End | AfterWrite::Cancelled => writing,
                 };
-                let (after, ack_owed, result) = if covers(current) {
+                let already_cancelled = matches!(after, AfterWrite::Cancelled);
+                let (after, ack_owed, result) = if already_cancelled || covers(current) {
                     // The whole transfer ends; a waiting re-registration is covered by the one
                     // acknowledgement D gets at finish, so it is dropped.
                     (AfterWrite::Cancelled, true, Cancelled::Deferred)

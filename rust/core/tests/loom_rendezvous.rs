@@ -30,9 +30,9 @@ fn model(expected: &[&'static str], f: impl Fn() -> &'static str + Sync + Send +
     let record = seen.clone();
     loom::model::Builder::new().check(move || {
         let outcome = f();
-        record.lock().unwrap().insert(outcome);
+        record.lock().expect("a model run panicked").insert(outcome);
     });
-    let seen = seen.lock().unwrap().clone();
+    let seen = seen.lock().expect("a model run panicked").clone();
     assert_eq!(seen, expected.iter().copied().collect::<BTreeSet<_>>());
 }
 
