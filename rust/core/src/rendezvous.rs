@@ -25,8 +25,10 @@
 //! therefore *lock-light*: keys are spread over a power-of-two number of shards, each a mutex
 //! around a hash map and a deadline heap; every critical section is O(1) amortised, and no I/O,
 //! callback or wait ever happens under a lock. The payloads that come out ([`Match`],
-//! [`Expired`], [`Cancelled::Removed`]) are acted on by the caller after the lock is released.
-//! Two threads contend only when their keys share a shard, and then only for a map operation.
+//! [`Expired`], [`Cancelled::Removed`]) are acted on by the caller after the lock is released, so
+//! the writer thread never holds a lock while it plans or posts a write. Two threads contend only
+//! when their keys share a shard, and then only for a map operation. A lock-free map would save
+//! little here and cost the simple argument that each key's state changes atomically.
 //!
 //! The write itself is gated by [`RendezvousTable::begin_write`]: only an entry that moved to
 //! *in flight* may be written, and an in-flight entry is never expired or removed by a cancel
@@ -41,6 +43,11 @@
 //! was pushed for) and a shard rebuilds its heap when stale items outnumber live ones, so memory
 //! stays proportional to what the table holds: live entries are capped at
 //! [`TableConfig::max_entries`], and so are fences.
+//!
+//! A fence lasts `fence_ttl` from when its key ended; an expired key ended at its deadline, so
+//! `expire(far future)` empties the table in one call. When `max_entries` fences are held, a key
+//! that ends is forgotten unfenced rather than evicting an older fence: a late half for it then
+//! waits for its own deadline instead of failing fast (slower, still correct).
 
 use std::cmp::Reverse;
 use std::collections::hash_map::DefaultHasher;
@@ -146,7 +153,7 @@ pub struct Finished<R, K> {
 }
 
 /// An entry that [`RendezvousTable::expire`] removed because its deadline passed before any
-/// write began. The key is fenced as expired.
+/// write began. The key is fenced as expired, for `fence_ttl` from that deadline.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expired<R, K> {
     /// The transfer.
