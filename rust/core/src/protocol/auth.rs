@@ -3,7 +3,7 @@
 //! The MAC is HMAC-SHA256 over a canonical byte string of the envelope's fields, not over the
 //! msgpack bytes: two msgpack encoders may write the same envelope differently (map order, int
 //! widths), and a Python peer must be able to compute the same MAC from the field values alone.
-//! `docs/protocol.md` ("MAC input") is the normative definition; [`mac_input`] is its code.
+//! `docs/protocol.md` ("MAC input") is the normative definition; `mac_input` is its code.
 
 use std::fmt;
 

@@ -20,6 +20,10 @@ use super::{Limits, PROTOCOL_VERSION};
 /// Bytes in the length prefix of a frame.
 pub const PREFIX_LEN: usize = 4;
 
+/// Envelope bytes besides the body and the sender name (keys, integers, the MAC), rounded up, so
+/// that `encode` allocates once.
+const ENVELOPE_OVERHEAD: usize = 128;
+
 /// The envelope as written: field names and order are the wire format (docs/protocol.md).
 #[derive(Serialize)]
 struct EnvelopeOut<'a> {
@@ -174,7 +178,8 @@ impl Encoder {
             body: &body,
             mac: mac.as_ref().map(|mac| mac.as_slice()),
         };
-        let mut frame = Vec::with_capacity(PREFIX_LEN + body.len() + 96 + self.sender.len());
+        let mut frame =
+            Vec::with_capacity(PREFIX_LEN + ENVELOPE_OVERHEAD + body.len() + self.sender.len());
         frame.extend_from_slice(&[0; PREFIX_LEN]);
         // As in `Message::to_body`: a Vec writer and plain fields cannot fail to serialize.
         rmp_serde::encode::write_named(&mut frame, &envelope)
@@ -256,7 +261,8 @@ impl Decoder {
     /// Checked in this order: [`Truncated`](ProtocolError::Truncated) /
     /// [`Oversized`](ProtocolError::Oversized) / [`Malformed`](ProtocolError::Malformed)
     /// framing; [`UnsupportedVersion`](ProtocolError::UnsupportedVersion); with a secret,
-    /// [`Unauthenticated`](ProtocolError::Unauthenticated), [`BadSignature`](ProtocolError::BadSignature),
+    /// [`Unauthenticated`](ProtocolError::Unauthenticated),
+    /// [`BadSignature`](ProtocolError::BadSignature),
     /// [`ClockSkew`](ProtocolError::ClockSkew), [`Replayed`](ProtocolError::Replayed) or
     /// [`TooManySessions`](ProtocolError::TooManySessions); then
     /// [`UnknownKind`](ProtocolError::UnknownKind), [`Malformed`](ProtocolError::Malformed)
