@@ -35,7 +35,10 @@ fn bench_planner(c: &mut Criterion) {
             let stats = planner.plan_into(&req, &mut runs).expect("bench request is valid");
             group.throughput(Throughput::Elements(stats.unmerged_runs as u64));
             let label = if contiguous { "contiguous" } else { "fragmented" };
-            println!("{name} {label}: {} runs ({} before merging)", stats.runs, stats.unmerged_runs);
+            println!(
+                "{name} {label}: {} runs ({} before merging)",
+                stats.runs, stats.unmerged_runs
+            );
             group.bench_function(BenchmarkId::new(name, label), |b| {
                 b.iter(|| {
                     runs.clear();

@@ -36,7 +36,13 @@ fn lifecycle(table: &Table, key: &str, blocks: &Arc<[u32]>, now: Instant) {
 
 /// The next of `names`' lifecycles. Finished keys stay fenced for the fence TTL, so after each
 /// pass over `names` the fences are expired (an hour on) before the names are used again.
-fn next_lifecycle(table: &Table, names: &[String], i: &mut usize, blocks: &Arc<[u32]>, now: Instant) {
+fn next_lifecycle(
+    table: &Table,
+    names: &[String],
+    i: &mut usize,
+    blocks: &Arc<[u32]>,
+    now: Instant,
+) {
     lifecycle(table, &names[*i % names.len()], blocks, now);
     *i += 1;
     if *i % names.len() == 0 {
@@ -125,8 +131,10 @@ fn two_threads(c: &mut Criterion) {
                 });
                 barrier.wait();
                 let start = Instant::now();
-                let p_matches =
-                    names.iter().filter(|k| baseline.ready(k, Arc::clone(&blocks)).is_some()).count();
+                let p_matches = names
+                    .iter()
+                    .filter(|k| baseline.ready(k, Arc::clone(&blocks)).is_some())
+                    .count();
                 let d_matches = d_side.join().expect("D thread");
                 total += start.elapsed();
                 assert_eq!(p_matches + d_matches, N, "every key matches exactly once");
@@ -150,7 +158,8 @@ fn under_load(c: &mut Criterion) {
             let _ = table.register(TransferKey::from_canonical(&k), 1, 7, deadline, now);
         }
         for k in keys(pending, "waiting-p") {
-            let _ = table.ready(TransferKey::from_canonical(&k), Arc::clone(&blocks), deadline, now);
+            let _ =
+                table.ready(TransferKey::from_canonical(&k), Arc::clone(&blocks), deadline, now);
         }
         let names = keys(100_000, "hot");
         let mut i = 0;

@@ -1,5 +1,6 @@
 """Type stubs of the native core (``kvpush._native``). Import from ``kvpush`` instead."""
 
+import builtins
 from collections.abc import Sequence
 from typing import Any, Literal, final
 
@@ -76,7 +77,7 @@ class Plan:
     def runs(self) -> list[tuple[int, int, int]]:
         """``(src_addr, dst_addr, length)`` triples."""
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self) -> builtins.bytes:
         """The runs as native-endian ``uint64`` triples (``memoryview(...).cast("Q")``)."""
 
 @final
@@ -203,6 +204,11 @@ class Encoder:
     """Signs (with a secret) and frames messages; one per sender, safe to share across threads."""
 
     def __init__(self, sender: str, secret: bytes | None = None) -> None: ...
+    @property
+    def sender(self) -> str: ...
+    @property
+    def session(self) -> int:
+        """The random nonce this encoder's frames carry (a new one per encoder)."""
     def encode(self, message: dict[str, Any], *, now_ms: int | None = None) -> bytes:
         """``message`` is ``{"kind": "register" | "done" | ..., **fields}``."""
 
@@ -225,6 +231,7 @@ class Decoder:
 
 class KvPushError(Exception):
     code: str
+
 class LayoutError(KvPushError): ...
 class PlanError(KvPushError): ...
 class InvalidBlocksError(PlanError): ...

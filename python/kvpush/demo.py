@@ -55,15 +55,18 @@ class Worker:
         return cls(name, layout, bytearray(region_bytes * len(regions)), list(range(num_blocks)))
 
     def allocate(self, rng: random.Random, tokens: int) -> list[int]:
+        """Blocks from the head of the free list, as vLLM's allocator hands them out: a fresh
+        engine's blocks are consecutive, and they fragment as requests end out of order."""
         count = -(-tokens // self.layout.block_tokens)
         if count > len(self.free):
             raise RuntimeError(f"{self.name}: out of KV blocks ({count} needed)")
-        rng.shuffle(self.free)  # a long-running engine's free list is fragmented
         blocks, self.free = self.free[:count], self.free[count:]
         return blocks
 
-    def release(self, blocks: list[int]) -> None:
-        self.free.extend(blocks)
+    def release(self, rng: random.Random, blocks: list[int]) -> None:
+        freed = list(blocks)
+        rng.shuffle(freed)  # requests end in any order, so freed blocks return scrambled
+        self.free.extend(freed)
 
     def token_slice(self, region: int, blocks: list[int], first_token: int, token: int) -> slice:
         """Where ``token``'s K or V bytes (all heads: NHD) live in this worker's memory."""
@@ -93,7 +96,11 @@ def _say(out: TextIO, text: str = "") -> None:
 
 
 def run_demo(
-    requests: int = 24, layers: int = 8, seed: int = 0, secret: bool = True, out: TextIO | None = None
+    requests: int = 24,
+    layers: int = 8,
+    seed: int = 0,
+    secret: bool = True,
+    out: TextIO | None = None,
 ) -> bool:
     """Runs the demo; returns True when every byte D received is where it belongs."""
     out = out or sys.stdout
@@ -117,7 +124,7 @@ def run_demo(
         f"{'HMAC-signed' if secret else 'unsigned'}",
     )
     _say(out, "  data path: in-process memcpy standing in for the NIXL WRITE\n")
-    header = f"{'request':<10}{'tokens':>7}{'cached':>7}  {'arrival':<10}{'runs':>6}"
+    header = f"{'request':<13}{'tokens':>7}{'cached':>7}  {'arrival':<10}{'runs':>6}"
     _say(out, header + f"{'unmerged':>9}{'bytes':>9}{'plan':>10}  progress")
 
     outcomes: list[Outcome] = []
@@ -196,15 +203,15 @@ def run_demo(
             for token in range(cached, tokens):
                 src_at = p.token_slice(region, p_blocks, 0, token)
                 expected[d.token_slice(region, d_blocks, cached, token)] = p.memory[src_at]
-        p.release(p_blocks)
-        d.release(d_blocks)
+        p.release(rng, p_blocks)
+        d.release(rng, d_blocks)
 
         outcome = Outcome(request, tokens, cached, order, len(plan), plan.unmerged_runs,
                           plan.bytes, plan_us)  # fmt: skip
         outcomes.append(outcome)
         _say(
             out,
-            f"{request:<10}{tokens:>7}{cached:>7}  {order:<10}{len(plan):>6}"
+            f"{request:<13}{tokens:>7}{cached:>7}  {order:<10}{len(plan):>6}"
             f"{plan.unmerged_runs:>9}{plan.bytes:>9}{plan_us:>8.0f}us  [{i + 1}/{requests}]",
         )
 
@@ -249,7 +256,11 @@ def _show_refusals(
 
     cases: list[tuple[str, Callable[[], Any], bool]] = [
         ("forged frame", lambda: decoder.decode(bytes(forged)), secret is not None),
-        ("replayed frame", lambda: (decoder.decode(frame), decoder.decode(frame)), secret is not None),
+        (
+            "replayed frame",
+            lambda: (decoder.decode(frame), decoder.decode(frame)),
+            secret is not None,
+        ),
         (
             "block id beyond D's cache",
             lambda: planner.plan("req-bad", 40, [[1, 2, 3]], [[d_blocks_limit, 1]]),

@@ -13,3 +13,6 @@ pub mod rendezvous;
 mod sync;
 
 pub use key::{canonical_request_id, TransferKey};
+pub use layout::{KvLayout, LayoutError, Region, TokenOrder};
+pub use planner::{BlockList, DescriptorRun, Plan, PlanError, PlanRequest, PlanStats, Planner};
+pub use rendezvous::{RendezvousError, RendezvousTable, TableConfig};

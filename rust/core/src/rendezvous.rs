@@ -249,6 +249,30 @@ pub enum RendezvousError {
     },
 }
 
+impl RendezvousError {
+    /// A stable snake_case name of the refusal, for metrics and logs.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::StaleEpoch { .. } => "stale_epoch",
+            Self::DuplicateReady { .. } => "duplicate_ready",
+            Self::Fenced { .. } => "fenced",
+            Self::TableFull { .. } => "table_full",
+            Self::NotMatched { .. } => "not_matched",
+        }
+    }
+
+    /// The transfer the refusal concerns.
+    pub fn key(&self) -> &TransferKey {
+        match self {
+            Self::StaleEpoch { key, .. }
+            | Self::DuplicateReady { key }
+            | Self::Fenced { key, .. }
+            | Self::TableFull { key, .. }
+            | Self::NotMatched { key, .. } => key,
+        }
+    }
+}
+
 /// Keys, their states and deadlines, sharded; see the module docs.
 ///
 /// `R` is D's registration and `K` P's ready payload. `K` is cloned under a shard lock (once per

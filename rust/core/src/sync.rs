@@ -6,14 +6,14 @@
 
 #[cfg(loom)]
 pub(crate) use loom::sync::{
-    atomic::{AtomicU64, AtomicUsize, Ordering},
-    Arc, Mutex, MutexGuard,
+    atomic::{AtomicUsize, Ordering},
+    Mutex, MutexGuard,
 };
 
 #[cfg(not(loom))]
 pub(crate) use std::sync::{
-    atomic::{AtomicU64, AtomicUsize, Ordering},
-    Arc, Mutex, MutexGuard,
+    atomic::{AtomicUsize, Ordering},
+    Mutex, MutexGuard,
 };
 
 /// Locks `mutex`, recovering the guard if another thread panicked while holding it.

@@ -4,26 +4,86 @@
 //! `repr` name what user code imports. Every raised instance carries a stable `code` attribute
 //! (snake_case) for metrics, and `key` or `request` where the error concerns one transfer.
 
-use kvpush_core::planner;
+use kvpush_core::{planner, protocol, rendezvous};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
 create_exception!(kvpush.exceptions, KvPushError, PyException, "Base class of every kvpush error.");
-create_exception!(kvpush.exceptions, LayoutError, KvPushError, "A KV layout is inconsistent, or two layouts cannot be paired.");
-create_exception!(kvpush.exceptions, PlanError, KvPushError, "A transfer cannot be planned from the block lists given.");
-create_exception!(kvpush.exceptions, InvalidBlocksError, PlanError, "A peer sent out-of-range, duplicate or miscounted block ids.");
-create_exception!(kvpush.exceptions, RendezvousError, KvPushError, "The rendezvous table refused an arrival or a transition.");
-create_exception!(kvpush.exceptions, StaleEpochError, RendezvousError, "A registration older than the current one.");
-create_exception!(kvpush.exceptions, FencedError, RendezvousError, "The transfer already ended: delivered, failed, cancelled or expired.");
-create_exception!(kvpush.exceptions, DuplicateReadyError, RendezvousError, "The KV of a request was reported ready twice.");
-create_exception!(kvpush.exceptions, NotMatchedError, RendezvousError, "A write began or finished for an epoch that is not the matched one.");
-create_exception!(kvpush.exceptions, TableFullError, RendezvousError, "Too many transfers pending: back off and retry.");
+create_exception!(
+    kvpush.exceptions,
+    LayoutError,
+    KvPushError,
+    "A KV layout is inconsistent, or two layouts cannot be paired."
+);
+create_exception!(
+    kvpush.exceptions,
+    PlanError,
+    KvPushError,
+    "A transfer cannot be planned from the block lists given."
+);
+create_exception!(
+    kvpush.exceptions,
+    InvalidBlocksError,
+    PlanError,
+    "A peer sent out-of-range, duplicate or miscounted block ids."
+);
+create_exception!(
+    kvpush.exceptions,
+    RendezvousError,
+    KvPushError,
+    "The rendezvous table refused an arrival or a transition."
+);
+create_exception!(
+    kvpush.exceptions,
+    StaleEpochError,
+    RendezvousError,
+    "A registration older than the current one."
+);
+create_exception!(
+    kvpush.exceptions,
+    FencedError,
+    RendezvousError,
+    "The transfer already ended: delivered, failed, cancelled or expired."
+);
+create_exception!(
+    kvpush.exceptions,
+    DuplicateReadyError,
+    RendezvousError,
+    "The KV of a request was reported ready twice."
+);
+create_exception!(
+    kvpush.exceptions,
+    NotMatchedError,
+    RendezvousError,
+    "A write began or finished for an epoch that is not the matched one."
+);
+create_exception!(
+    kvpush.exceptions,
+    TableFullError,
+    RendezvousError,
+    "Too many transfers pending: back off and retry."
+);
 create_exception!(kvpush.exceptions, ProtocolError, KvPushError, "A kvpush/1 message was refused.");
-create_exception!(kvpush.exceptions, MessageTooLargeError, ProtocolError, "A frame over the size limit.");
-create_exception!(kvpush.exceptions, MalformedMessageError, ProtocolError, "Not a valid kvpush/1 frame.");
-create_exception!(kvpush.exceptions, AuthenticationError, ProtocolError, "Unsigned, forged, replayed or too old, with a secret configured.");
+create_exception!(
+    kvpush.exceptions,
+    MessageTooLargeError,
+    ProtocolError,
+    "A frame over the size limit."
+);
+create_exception!(
+    kvpush.exceptions,
+    MalformedMessageError,
+    ProtocolError,
+    "Not a valid kvpush/1 frame."
+);
+create_exception!(
+    kvpush.exceptions,
+    AuthenticationError,
+    ProtocolError,
+    "Unsigned, forged, replayed or too old, with a secret configured."
+);
 
 /// Adds every exception class to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -49,6 +109,20 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 #[derive(Debug)]
 pub(crate) enum Error {
     Plan(planner::PlanError),
+    Protocol(protocol::ProtocolError),
+    Rendezvous(rendezvous::RendezvousError),
+}
+
+impl From<rendezvous::RendezvousError> for Error {
+    fn from(error: rendezvous::RendezvousError) -> Self {
+        Self::Rendezvous(error)
+    }
+}
+
+impl From<protocol::ProtocolError> for Error {
+    fn from(error: protocol::ProtocolError) -> Self {
+        Self::Protocol(error)
+    }
 }
 
 impl From<planner::PlanError> for Error {
@@ -68,6 +142,41 @@ impl From<Error> for PyErr {
                     _ => Python::attach(|py| py.get_type::<InvalidBlocksError>().unbind()),
                 };
                 raise(class, &error, error.code(), &[("request", error.request())])
+            }
+            Error::Protocol(error) => {
+                use protocol::ProtocolError as E;
+                let class = Python::attach(|py| {
+                    match error {
+                        E::Oversized { .. } => py.get_type::<MessageTooLargeError>(),
+                        E::Truncated { .. }
+                        | E::Malformed { .. }
+                        | E::UnsupportedVersion { .. }
+                        | E::UnknownKind { .. }
+                        | E::Invalid { .. } => py.get_type::<MalformedMessageError>(),
+                        E::Unauthenticated
+                        | E::BadSignature
+                        | E::Replayed { .. }
+                        | E::ClockSkew { .. }
+                        | E::TooManySessions { .. } => py.get_type::<AuthenticationError>(),
+                        E::WeakSecret { .. } => py.get_type::<ProtocolError>(),
+                    }
+                    .unbind()
+                });
+                raise(class, &error, error.code(), &[])
+            }
+            Error::Rendezvous(error) => {
+                use rendezvous::RendezvousError as E;
+                let class = Python::attach(|py| {
+                    match error {
+                        E::StaleEpoch { .. } => py.get_type::<StaleEpochError>(),
+                        E::DuplicateReady { .. } => py.get_type::<DuplicateReadyError>(),
+                        E::Fenced { .. } => py.get_type::<FencedError>(),
+                        E::TableFull { .. } => py.get_type::<TableFullError>(),
+                        E::NotMatched { .. } => py.get_type::<NotMatchedError>(),
+                    }
+                    .unbind()
+                });
+                raise(class, &error, error.code(), &[("key", Some(error.key().as_str()))])
             }
         }
     }

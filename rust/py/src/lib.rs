@@ -7,9 +7,11 @@
 
 use pyo3::prelude::*;
 
+mod codec;
 mod errors;
 mod native;
 mod planner;
+mod table;
 
 /// The transfer key P and D both derive for a request: `transfer_id` when given, else the
 /// request id without vLLM's per-engine suffix and front-end prefix.
@@ -35,5 +37,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<planner::KvLayout>()?;
     m.add_class::<planner::Planner>()?;
     m.add_class::<planner::Plan>()?;
+    m.add_class::<table::RendezvousTable>()?;
+    m.add_class::<table::Arrival>()?;
+    m.add_class::<table::Finished>()?;
+    m.add_class::<table::Cancellation>()?;
+    m.add_class::<table::Expired>()?;
+    m.add("PROTOCOL_VERSION", kvpush_core::protocol::PROTOCOL_VERSION)?;
+    m.add_class::<codec::Encoder>()?;
+    m.add_class::<codec::Decoder>()?;
+    m.add_function(wrap_pyfunction!(codec::frame_length, m)?)?;
     Ok(())
 }

@@ -13,7 +13,10 @@ use crate::errors::{Error, KvPushError};
 /// Python threads run. A panic is a kvpush bug; surfacing it as `KvPushError` (an `Exception`)
 /// rather than PyO3's `PanicException` (a `BaseException`) lets a serving engine's usual
 /// `except Exception` keep the engine alive and fail just the request.
-pub(crate) fn native<T, E>(py: Python<'_>, work: impl FnOnce() -> Result<T, E> + Send) -> PyResult<T>
+pub(crate) fn native<T, E>(
+    py: Python<'_>,
+    work: impl FnOnce() -> Result<T, E> + Send,
+) -> PyResult<T>
 where
     T: Send,
     E: Into<Error> + Send,

@@ -1,7 +1,9 @@
 //! `Region`, `KvLayout`, `Planner` and `Plan`: the planner as Python sees it.
 
 use kvpush_core::layout::{KvLayout as CoreLayout, Region as CoreRegion, TokenOrder};
-use kvpush_core::planner::{BlockList, DescriptorRun, PlanRequest, PlanStats, Planner as CorePlanner};
+use kvpush_core::planner::{
+    BlockList, DescriptorRun, PlanRequest, PlanStats, Planner as CorePlanner,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -64,7 +66,9 @@ fn parse_token_order(order: &str) -> PyResult<TokenOrder> {
     match order.to_ascii_uppercase().as_str() {
         "NHD" => Ok(TokenOrder::Nhd),
         "HND" => Ok(TokenOrder::Hnd),
-        _ => Err(PyValueError::new_err(format!("token_order must be 'NHD' or 'HND', not {order:?}"))),
+        _ => {
+            Err(PyValueError::new_err(format!("token_order must be 'NHD' or 'HND', not {order:?}")))
+        }
     }
 }
 

@@ -1,0 +1,63 @@
+"""The package surface: re-exports, the exception hierarchy, keys, the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import kvpush
+import kvpush.exceptions as exc
+from kvpush.cli import main
+
+
+def test_public_names_are_exported() -> None:
+    for name in kvpush.__all__:
+        assert hasattr(kvpush, name), name
+    assert kvpush.__version__ == "0.1.0"
+
+
+def test_every_exception_derives_from_kvpush_error() -> None:
+    for name in exc.__all__:
+        cls = getattr(exc, name)
+        assert issubclass(cls, exc.KvPushError)
+        assert issubclass(cls, Exception)
+        assert cls.__module__ == "kvpush.exceptions"
+    assert issubclass(exc.InvalidBlocksError, exc.PlanError)
+    assert issubclass(exc.AuthenticationError, exc.ProtocolError)
+    assert issubclass(exc.StaleEpochError, exc.RendezvousError)
+
+
+@pytest.mark.parametrize(
+    ("request_id", "key"),
+    [
+        ("cmpl-7f3e-0-0badf00d", "7f3e-0"),
+        ("chatcmpl-7f3e-c0ffee11", "7f3e"),
+        ("plain-id", "plain-id"),
+        ("abc-DEADBEEF", "abc-DEADBEEF"),
+    ],
+)
+def test_p_and_d_request_ids_share_a_key(request_id: str, key: str) -> None:
+    assert kvpush.canonical_request_id(request_id) == key
+    assert kvpush.transfer_key(request_id) == key
+    assert kvpush.transfer_key(request_id, "xfer-1") == "xfer-1"
+
+
+def test_version_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["version"]) == 0
+    assert f"kvpush/{kvpush.PROTOCOL_VERSION}" in capsys.readouterr().out
+
+
+def test_demo_runs_end_to_end_and_verifies_bytes() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpush.cli", "demo", "--requests", "8", "--layers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "byte for byte: yes" in result.stdout
+    assert "NOT REFUSED" not in result.stdout
+    assert result.stdout.count("Error[") == 6
