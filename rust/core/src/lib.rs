@@ -3,7 +3,8 @@
 //! * [`key`]: transfer keys, the canonical form of vLLM request ids;
 //! * [`rendezvous`]: the table where D's registration meets P's finished KV;
 //! * [`layout`] and [`planner`]: KV cache layouts and the (src, dst, len) runs to write;
-//! * [`protocol`]: the kvpush/1 control messages, their codec and authentication.
+//! * [`protocol`]: the kvpush/1 control messages, their codec and authentication;
+//! * [`transport`]: the data path the writer drives (NIXL in `kvpush-nixl`, or in-process).
 
 pub mod key;
 pub mod layout;
@@ -11,6 +12,7 @@ pub mod planner;
 pub mod protocol;
 pub mod rendezvous;
 mod sync;
+pub mod transport;
 
 pub use key::{canonical_request_id, TransferKey};
 pub use layout::{KvLayout, LayoutError, Region, TokenOrder};

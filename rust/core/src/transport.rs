@@ -1,0 +1,137 @@
+//! The data path as the writer engine sees it: register memory, learn peers, post WRITEs that
+//! carry a notification, poll them, and receive notifications.
+//!
+//! Two implementations: the NIXL agent (`kvpush-nixl`, the real one: UCX over loopback here,
+//! RDMA on GPU nodes) and [`crate::loopback::LoopbackTransport`] (in-process memcpy, for tests and
+//! for benches that isolate control overhead). The writer engine is generic over this trait and
+//! is the only caller: every method runs on the writer's one thread, so implementations need no
+//! internal locking (`Send`, not `Sync`).
+
+use std::fmt;
+
+use crate::planner::DescriptorRun;
+
+/// Which kind of memory an address lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryKind {
+    /// Host memory.
+    Dram,
+    /// GPU memory.
+    Vram,
+}
+
+/// A memory space: the kind of memory and the device it is on (0 for DRAM).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct MemorySpace {
+    /// DRAM or VRAM.
+    pub kind: MemoryKind,
+    /// The device index (GPU ordinal for VRAM; 0 for DRAM).
+    pub device: u32,
+}
+
+impl MemorySpace {
+    /// Host memory.
+    pub const DRAM: Self = Self { kind: MemoryKind::Dram, device: 0 };
+}
+
+/// One registered range of local memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryRegion {
+    /// First byte.
+    pub addr: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Where it lives.
+    pub space: MemorySpace,
+}
+
+/// A posted write, as its transport names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WriteId(pub u64);
+
+/// Where a posted write stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteState {
+    /// Still moving bytes: poll again (the transport may send the notification from a poll).
+    InProgress,
+    /// Every byte landed and the notification was sent; the write's resources are released.
+    Done,
+}
+
+/// A notification received from a peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The sending agent's name.
+    pub from: String,
+    /// The payload, as the sender passed it.
+    pub payload: Vec<u8>,
+}
+
+/// Why a transport call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{operation} failed: {detail}")]
+pub struct TransportError {
+    /// The call that failed (`post_write`, `add_peer`, ...).
+    pub operation: &'static str,
+    /// What the transport reported, with the status or peer it concerns.
+    pub detail: String,
+}
+
+impl TransportError {
+    /// An error from `operation`, described by `detail`.
+    pub fn new(operation: &'static str, detail: impl fmt::Display) -> Self {
+        Self { operation, detail: detail.to_string() }
+    }
+}
+
+/// A data path the writer engine can drive. See the module docs.
+pub trait Transport: Send {
+    /// The name peers know this agent by (a NIXL agent name).
+    fn name(&self) -> &str;
+
+    /// Registers local memory, so that writes may read from it (P) or land in it (D).
+    ///
+    /// # Safety
+    ///
+    /// Every region must stay valid for reads and writes, and must not be freed or unmapped, until
+    /// the transport is dropped: a peer may write into it at any time after its address was
+    /// advertised, and a local write reads it asynchronously.
+    unsafe fn register_memory(&mut self, regions: &[MemoryRegion]) -> Result<(), TransportError>;
+
+    /// This agent's metadata: the bytes a peer passes to its own [`Transport::add_peer`].
+    fn metadata(&mut self) -> Result<Vec<u8>, TransportError>;
+
+    /// Learns a peer from its metadata; returns the peer's name.
+    fn add_peer(&mut self, metadata: &[u8]) -> Result<String, TransportError>;
+
+    /// Forgets a peer (its process ended, or it is being replaced).
+    fn remove_peer(&mut self, peer: &str) -> Result<(), TransportError>;
+
+    /// Posts a WRITE of `runs` from local memory in `local` into `peer`'s memory in `remote`.
+    ///
+    /// `notification` reaches the peer only after every byte of the write has landed; the peer
+    /// learns of the write through it and nothing else. Poll the write until it is done.
+    fn post_write(
+        &mut self,
+        peer: &str,
+        runs: &[DescriptorRun],
+        local: MemorySpace,
+        remote: MemorySpace,
+        notification: &[u8],
+    ) -> Result<WriteId, TransportError>;
+
+    /// Where `write` stands. After `Done` or an error the write is released and its id is void.
+    fn poll_write(&mut self, write: WriteId) -> Result<WriteState, TransportError>;
+
+    /// Gives up on `write`: stop caring about it and release it. Bytes already posted may still
+    /// land, so the destination must stay reserved until the peer is told.
+    fn abandon_write(&mut self, write: WriteId);
+
+    /// Sends a notification that is not tied to a write.
+    fn send_notification(&mut self, peer: &str, payload: &[u8]) -> Result<(), TransportError>;
+
+    /// Appends every notification received since the last call to `out`, driving the
+    /// transport's progress as it does so.
+    fn take_notifications(&mut self, out: &mut Vec<Notification>) -> Result<(), TransportError>;
+}
