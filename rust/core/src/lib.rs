@@ -8,6 +8,7 @@
 
 pub mod key;
 pub mod layout;
+pub mod loopback;
 pub mod planner;
 pub mod protocol;
 pub mod rendezvous;
