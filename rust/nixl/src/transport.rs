@@ -1,0 +1,370 @@
+//! [`NixlTransport`]: the core's [`Transport`] on a NIXL agent with a UCX backend.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::fmt;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use kvpush_core::planner::DescriptorRun;
+use kvpush_core::transport::{
+    MemoryRegion, MemorySpace, Notification, Transport, TransportError, WriteId, WriteState,
+};
+
+use crate::api::{self, Api, Library, THREAD_SYNC_NONE};
+use crate::error::NixlError;
+use crate::handles::{AgentCore, NotifMap, OptArgs, Registration, XferDescList, XferRequest};
+
+/// The shortest progress-thread poll interval accepted, in µs. NIXL's UCX thread waits in
+/// `poll()` for `ceil(interval / 1 ms)` milliseconds, so 0 (NIXL's default) busy-loops on a core.
+pub const MIN_PROGRESS_INTERVAL_US: u64 = 1_000;
+
+/// Who drives the agent's UCX progress (connection wire-up, incoming notifications).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// NIXL's progress thread, which sleeps in `poll()` for up to `interval_us` between rounds
+    /// (raised to [`MIN_PROGRESS_INTERVAL_US`] if lower). UCX keeps moving while the owner of
+    /// the transport is parked.
+    Thread {
+        /// Poll interval in µs.
+        interval_us: u64,
+    },
+    /// No thread: only this transport's own calls (`take_notifications`, `poll_write`,
+    /// `post_write`, `send_notification`) progress UCX, so the owner must keep calling
+    /// `take_notifications` while it waits for anything, handshakes included.
+    Caller,
+}
+
+/// How to create the agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentConfig {
+    /// Who drives progress; default: a thread polling every 1 ms.
+    pub progress: Progress,
+    /// UCX backend parameters that replace or add to the plugin's defaults, e.g.
+    /// `("engine_config", "TLS=tcp")` or `("ucx_devices", "mlx5_0:1")`. Empty: UCX's defaults.
+    pub ucx_params: Vec<(String, String)>,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            progress: Progress::Thread { interval_us: MIN_PROGRESS_INTERVAL_US },
+            ucx_params: Vec::new(),
+        }
+    }
+}
+
+impl AgentConfig {
+    fn to_c(&self) -> api::AgentConfig {
+        let (thread, delay) = match self.progress {
+            Progress::Thread { interval_us } => (true, interval_us.max(MIN_PROGRESS_INTERVAL_US)),
+            Progress::Caller => (false, MIN_PROGRESS_INTERVAL_US),
+        };
+        api::AgentConfig {
+            enable_prog_thread: thread,
+            enable_listen_thread: false,
+            listen_port: 0,
+            // One thread (the writer) makes every call on this agent, so NIXL's agent lock is
+            // not needed; UCX's own progress thread synchronises with the worker itself.
+            thread_sync: THREAD_SYNC_NONE,
+            num_workers: 1,
+            pthr_delay_us: delay,
+            lthr_delay_us: 100_000,
+            capture_telemetry: false,
+        }
+    }
+}
+
+/// A peer whose metadata is loaded.
+#[derive(Debug)]
+struct Peer {
+    name: Rc<str>,
+    c_name: CString,
+}
+
+/// A posted write that has not been reported done or failed yet.
+#[derive(Debug)]
+enum Pending {
+    Write {
+        request: XferRequest,
+        peer: Rc<str>,
+        runs: usize,
+        bytes: u64,
+    },
+    /// A write of no bytes: its notification goes out when it is polled, like the loopback's.
+    NotifyOnly {
+        peer: Rc<str>,
+        payload: Vec<u8>,
+    },
+}
+
+/// A NIXL agent with a UCX backend, as the writer engine's [`Transport`].
+///
+/// Create it on any thread, then hand it to the one thread that makes every call (the writer):
+/// it is `Send`, not `Sync`. Dropping it releases in-flight writes, deregisters memory and
+/// destroys the agent.
+pub struct NixlTransport {
+    // Field order is drop order: requests go before registrations, the agent last (its `Rc`
+    // keeps it alive for whichever handle is dropped last anyway).
+    writes: HashMap<WriteId, Pending>,
+    /// Released writes the backend could not let go of yet (cancelled while in flight); retried
+    /// on every poll and notification call.
+    stuck: Vec<XferRequest>,
+    registrations: Vec<Registration>,
+    peers: HashMap<String, Peer>,
+    /// Descriptor lists reused by every write (`create_xfer_req` copies them).
+    local_list: XferDescList,
+    remote_list: XferDescList,
+    opts: OptArgs,
+    notifs: NotifMap,
+    next_write: u64,
+    agent: Rc<AgentCore>,
+    library: Library,
+}
+
+// SAFETY: `NixlTransport` is `!Send` only because of its `Rc`s (the agent's, in `agent`,
+// `registrations`, `writes` and `stuck`; peer names, in `peers` and `writes`) and the raw handle
+// pointers inside its fields. Every clone of each `Rc` lives inside this value (none is ever
+// handed out), so moving the transport moves all of them together and no two threads can touch
+// a count. NIXL's objects
+// are not tied to the thread that created them; what they need is that calls are not
+// concurrent, which `&mut self` on every NIXL-calling method guarantees (the type is not `Sync`).
+unsafe impl Send for NixlTransport {}
+
+impl fmt::Debug for NixlTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NixlTransport")
+            .field("name", &self.agent.name())
+            .field("library", &self.library.path())
+            .field("registrations", &self.registrations.len())
+            .field("peers", &self.peers.keys().collect::<Vec<_>>())
+            .field("writes_in_flight", &self.writes.len())
+            .field("stuck", &self.stuck.len())
+            .finish()
+    }
+}
+
+impl NixlTransport {
+    /// Creates agent `name` (unique among the agents that will talk to it) with a UCX backend.
+    pub fn new(library: &Library, name: &str, config: &AgentConfig) -> Result<Self, NixlError> {
+        let api: &Arc<Api> = library.api();
+        let agent = AgentCore::create(api, name, &config.to_c(), &config.ucx_params)?;
+        Ok(Self {
+            writes: HashMap::new(),
+            stuck: Vec::new(),
+            registrations: Vec::new(),
+            peers: HashMap::new(),
+            local_list: XferDescList::new(api, MemorySpace::DRAM)?,
+            remote_list: XferDescList::new(api, MemorySpace::DRAM)?,
+            opts: OptArgs::new(api)?,
+            notifs: NotifMap::new(api)?,
+            next_write: 1,
+            agent,
+            library: library.clone(),
+        })
+    }
+
+    /// The library this agent runs on.
+    pub fn library(&self) -> &Library {
+        &self.library
+    }
+
+    /// Writes posted and not yet reported done, failed or abandoned.
+    pub fn writes_in_flight(&self) -> usize {
+        self.writes.len()
+    }
+
+    /// Tries again to release requests the backend held on to.
+    fn retry_stuck(&mut self) {
+        if self.stuck.is_empty() {
+            return;
+        }
+        for request in std::mem::take(&mut self.stuck) {
+            if let Err((request, _)) = request.release() {
+                self.stuck.push(request);
+            }
+        }
+    }
+
+    fn release(&mut self, request: XferRequest) {
+        if let Err((request, _)) = request.release() {
+            self.stuck.push(request);
+        }
+    }
+
+    fn peer(&self, peer: &str, operation: &'static str) -> Result<&Peer, TransportError> {
+        self.peers.get(peer).ok_or_else(|| unknown_peer(operation, peer))
+    }
+}
+
+fn unknown_peer(operation: &'static str, peer: &str) -> TransportError {
+    TransportError::new(
+        operation,
+        format!("unknown peer {peer:?}: call add_peer with its metadata first"),
+    )
+}
+
+/// `list`, emptied, for `space`'s memory type (replaced when it was for another type).
+fn scratch_list<'a>(
+    list: &'a mut XferDescList,
+    api: &Arc<Api>,
+    space: MemorySpace,
+) -> Result<&'a mut XferDescList, NixlError> {
+    if list.is_for(space) {
+        list.clear()?;
+    } else {
+        *list = XferDescList::new(api, space)?;
+    }
+    Ok(list)
+}
+
+fn err(operation: &'static str, e: NixlError) -> TransportError {
+    TransportError::new(operation, e)
+}
+
+impl Transport for NixlTransport {
+    fn name(&self) -> &str {
+        self.agent.name()
+    }
+
+    unsafe fn register_memory(&mut self, regions: &[MemoryRegion]) -> Result<(), TransportError> {
+        self.registrations.reserve(regions.len());
+        for region in regions {
+            // SAFETY: the caller keeps every region valid until the transport is dropped, and the
+            // registration is dropped with the transport.
+            let registration =
+                unsafe { self.agent.register(region.addr, region.len, region.space) }
+                    .map_err(|e| err("register_memory", e))?;
+            self.registrations.push(registration);
+        }
+        Ok(())
+    }
+
+    fn metadata(&mut self) -> Result<Vec<u8>, TransportError> {
+        self.agent.local_metadata().map_err(|e| err("metadata", e))
+    }
+
+    fn add_peer(&mut self, metadata: &[u8]) -> Result<String, TransportError> {
+        let name = self.agent.load_remote_metadata(metadata).map_err(|e| err("add_peer", e))?;
+        let c_name = CString::new(name.as_str()).map_err(|_| {
+            TransportError::new("add_peer", format!("peer name {name:?} contains a NUL"))
+        })?;
+        self.peers.insert(name.clone(), Peer { name: Rc::from(name.as_str()), c_name });
+        Ok(name)
+    }
+
+    /// Idempotent: forgetting an unknown peer succeeds. Writes still in flight to the peer fail
+    /// at their next poll.
+    fn remove_peer(&mut self, peer: &str) -> Result<(), TransportError> {
+        match self.peers.remove(peer) {
+            Some(known) => {
+                self.agent.invalidate_remote(&known.c_name).map_err(|e| err("remove_peer", e))
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Builds one local and one remote descriptor per run (reusing the lists: O(runs) calls of
+    /// ~tens of ns), creates the WRITE with the notification, and posts it. NIXL's
+    /// `create_xfer_req` does not merge descriptors: pass runs the planner already merged.
+    fn post_write(
+        &mut self,
+        peer: &str,
+        runs: &[DescriptorRun],
+        local: MemorySpace,
+        remote: MemorySpace,
+        notification: &[u8],
+    ) -> Result<WriteId, TransportError> {
+        const OP: &str = "post_write";
+        let id = WriteId(self.next_write);
+        // Borrow only the `peers` field: the lists below are borrowed mutably meanwhile.
+        let target = self.peers.get(peer).ok_or_else(|| unknown_peer(OP, peer))?;
+        let peer_name = Rc::clone(&target.name);
+        if runs.is_empty() {
+            self.next_write += 1;
+            let payload = notification.to_vec();
+            self.writes.insert(id, Pending::NotifyOnly { peer: peer_name, payload });
+            return Ok(id);
+        }
+        let api = self.library.api();
+        let local_list = scratch_list(&mut self.local_list, api, local).map_err(|e| err(OP, e))?;
+        let remote_list =
+            scratch_list(&mut self.remote_list, api, remote).map_err(|e| err(OP, e))?;
+        let mut bytes = 0u64;
+        for run in runs {
+            local_list.push(run.src, run.len, local.device).map_err(|e| err(OP, e))?;
+            remote_list.push(run.dst, run.len, remote.device).map_err(|e| err(OP, e))?;
+            bytes = bytes.saturating_add(run.len);
+        }
+        self.opts.set_notification(notification).map_err(|e| err(OP, e))?;
+        let mut request = self
+            .agent
+            .create_write(local_list, remote_list, &target.c_name, &self.opts)
+            .map_err(|e| err(OP, e))?;
+        if let Err(mut e) = request.post() {
+            e.detail = format!("WRITE {id:?} of {} runs ({bytes} B) to peer {peer:?}", runs.len());
+            self.release(request);
+            return Err(err(OP, e));
+        }
+        self.next_write += 1;
+        self.writes
+            .insert(id, Pending::Write { request, peer: peer_name, runs: runs.len(), bytes });
+        Ok(id)
+    }
+
+    fn poll_write(&mut self, write: WriteId) -> Result<WriteState, TransportError> {
+        const OP: &str = "poll_write";
+        self.retry_stuck();
+        let polled = match self.writes.get_mut(&write) {
+            None => {
+                return Err(TransportError::new(
+                    OP,
+                    format!("unknown write {write:?} (already done, failed or abandoned?)"),
+                ))
+            }
+            Some(Pending::Write { request, .. }) => request.poll(),
+            Some(Pending::NotifyOnly { .. }) => Ok(true),
+        };
+        if let Ok(false) = polled {
+            return Ok(WriteState::InProgress);
+        }
+        let Some(pending) = self.writes.remove(&write) else {
+            return Err(TransportError::new(OP, format!("write {write:?} vanished")));
+        };
+        match (pending, polled) {
+            (Pending::NotifyOnly { peer, payload }, _) => {
+                let target = self.peer(&peer, OP)?;
+                self.agent.send_notification(&target.c_name, &payload).map_err(|e| err(OP, e))?;
+                Ok(WriteState::Done)
+            }
+            (Pending::Write { request, .. }, Ok(_)) => {
+                self.release(request);
+                Ok(WriteState::Done)
+            }
+            (Pending::Write { request, peer, runs, bytes }, Err(mut e)) => {
+                e.detail = format!("WRITE {write:?} of {runs} runs ({bytes} B) to peer {peer:?}");
+                self.release(request);
+                Err(err(OP, e))
+            }
+        }
+    }
+
+    fn abandon_write(&mut self, write: WriteId) {
+        if let Some(Pending::Write { request, .. }) = self.writes.remove(&write) {
+            self.release(request);
+        }
+    }
+
+    fn send_notification(&mut self, peer: &str, payload: &[u8]) -> Result<(), TransportError> {
+        const OP: &str = "send_notification";
+        let target = self.peer(peer, OP)?;
+        self.agent.send_notification(&target.c_name, payload).map_err(|e| err(OP, e))
+    }
+
+    fn take_notifications(&mut self, out: &mut Vec<Notification>) -> Result<(), TransportError> {
+        self.retry_stuck();
+        self.agent
+            .take_notifications(&mut self.notifs, out)
+            .map_err(|e| err("take_notifications", e))
+    }
+}
