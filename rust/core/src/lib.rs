@@ -12,6 +12,7 @@ pub mod loopback;
 pub mod planner;
 pub mod protocol;
 pub mod rendezvous;
+pub mod side_channel;
 mod sync;
 pub mod transport;
 

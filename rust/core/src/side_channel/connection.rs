@@ -1,0 +1,454 @@
+//! One side-channel connection: its socket, the handshake, and the thread that reads it.
+
+use std::fmt;
+use std::io::{self, ErrorKind, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use super::frames::{FrameError, FrameReader};
+use super::{lock, PeerId, PeerInfo, Shared, SideChannelConfig};
+use crate::protocol::{
+    unix_millis, Decoder, Encoder, ErrorReply, Heartbeat, Hello, Message, ProtocolError,
+    MAX_REPLY_DETAIL_BYTES,
+};
+
+/// Refused frames in a row after which a connection is closed even though the stream is in sync.
+///
+/// Two peers that refuse each other's frames (clocks drifted apart, say) would otherwise answer
+/// each other's error replies with error replies for ever; and a peer that sends nothing valid has
+/// nothing to say.
+const MAX_REFUSALS_IN_A_ROW: u32 = 16;
+
+/// One TCP connection to a peer, shared by its reader thread and every sender.
+pub(super) struct Connection {
+    pub(super) id: PeerId,
+    pub(super) addr: SocketAddr,
+    /// Read by the connection's thread, written by any thread (`&TcpStream` is both `Read` and
+    /// `Write`), shut down by whoever closes it: one descriptor for all three.
+    socket: TcpStream,
+    /// Held while a frame is encoded and written, so that frames are never interleaved and,
+    /// because the channel's one encoder numbers them under it, reach the peer in seq order.
+    write_lock: Mutex<()>,
+    /// The peer's identity, set once its Hello is accepted and ours is on the wire; until then
+    /// the connection is invisible to `send` and `peers`.
+    info: OnceLock<PeerInfo>,
+    /// Why this side closed the connection; the first reason wins. The reader then reports this
+    /// cause to `peer_lost` rather than the end of stream it sees as a consequence.
+    close_reason: OnceLock<String>,
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection")
+            .field("id", &self.id)
+            .field("addr", &self.addr)
+            .field("joined", &self.info.get().is_some())
+            .field("close_reason", &self.close_reason.get())
+            .finish()
+    }
+}
+
+impl Connection {
+    pub(super) fn new(id: PeerId, addr: SocketAddr, socket: TcpStream) -> Self {
+        Self {
+            id,
+            addr,
+            socket,
+            write_lock: Mutex::new(()),
+            info: OnceLock::new(),
+            close_reason: OnceLock::new(),
+        }
+    }
+
+    /// The peer's identity, once the handshake is complete.
+    pub(super) fn info(&self) -> Option<&PeerInfo> {
+        self.info.get()
+    }
+
+    /// Completes the handshake on the connecting side, where our Hello went out first.
+    pub(super) fn set_joined(&self, info: PeerInfo) {
+        // Set once per connection, by the one thread doing its handshake.
+        let _ = self.info.set(info);
+    }
+
+    /// Frames `message` and writes it whole, within the socket's write timeout.
+    ///
+    /// A failed write may have left part of a frame on the wire, so it closes the connection:
+    /// the reader then reports the peer lost.
+    pub(super) fn send(&self, encoder: &Encoder, message: &Message) -> io::Result<()> {
+        let _frame_order = lock(&self.write_lock);
+        self.write_locked(encoder, message)
+    }
+
+    /// Completes the handshake on the accepting side: the peer becomes visible and our Hello
+    /// goes out under one hold of the write lock, so that a `send` that finds the peer waits for
+    /// the Hello to be written first, and a peer that has read our Hello is already listed.
+    fn answer_hello(&self, encoder: &Encoder, hello: &Hello, info: PeerInfo) -> io::Result<()> {
+        let _frame_order = lock(&self.write_lock);
+        let _ = self.info.set(info);
+        self.write_locked(encoder, &Message::Hello(hello.clone()))
+    }
+
+    fn write_locked(&self, encoder: &Encoder, message: &Message) -> io::Result<()> {
+        if let Some(reason) = self.close_reason.get() {
+            return Err(io::Error::new(ErrorKind::NotConnected, reason.clone()));
+        }
+        let frame = encoder.encode(message, unix_millis());
+        (&self.socket).write_all(&frame).map_err(|e| {
+            let reason = if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
+                format!(
+                    "the peer accepted no data within the write timeout ({e}): it is not reading"
+                )
+            } else {
+                format!("writing to the peer failed: {e}")
+            };
+            self.close(reason.clone());
+            io::Error::new(e.kind(), reason)
+        })
+    }
+
+    /// Closes the connection for `reason` (kept if it is the first); wakes the reader, which
+    /// then reports the peer lost. Never blocks.
+    pub(super) fn close(&self, reason: impl Into<String>) {
+        let _ = self.close_reason.set(reason.into());
+        // NotConnected when the peer already went: nothing left to shut down.
+        let _ = self.socket.shutdown(Shutdown::Both);
+    }
+
+    /// Sends `reply` if the socket still takes it, then closes for `reason`.
+    pub(super) fn reply_and_close(&self, encoder: &Encoder, reply: &Message, reason: String) {
+        // Best effort: the peer is being turned away either way; the reply only tells it why.
+        let _ = self.send(encoder, reply);
+        self.close(reason);
+    }
+
+    fn closed(&self) -> Option<&String> {
+        self.close_reason.get()
+    }
+}
+
+/// The receiving half of a connection: frames off the socket and the decoder that checks them.
+/// One decoder per connection, so each peer's replay windows live with its connection.
+#[derive(Debug)]
+pub(super) struct Inbound {
+    frames: FrameReader,
+    decoder: Decoder,
+}
+
+impl Inbound {
+    pub(super) fn new(config: &SideChannelConfig) -> Self {
+        Self {
+            frames: FrameReader::new(config.limits),
+            decoder: Decoder::new(config.secret.clone(), config.limits),
+        }
+    }
+}
+
+/// What a connection thread does first.
+#[derive(Debug)]
+pub(super) enum Start {
+    /// An accepted socket: read the connector's Hello, answer it, then serve.
+    Accepted,
+    /// A connection whose handshake `SideChannel::connect` completed: serve.
+    Joined(Box<Inbound>),
+}
+
+/// Why a handshake did not produce the peer's Hello.
+#[derive(Debug)]
+pub(super) enum HandshakeError {
+    /// Nothing arrived within `connect_timeout`.
+    TimedOut(std::time::Duration),
+    /// The connection ended first.
+    Closed(String),
+    /// The peer's first frame was refused by our decoder (already counted and answered).
+    Refused(ProtocolError),
+    /// The peer answered with an `error` message instead of a Hello.
+    Reply(ErrorReply),
+    /// The peer's first frame was a valid message of another kind.
+    NotHello(&'static str),
+}
+
+impl fmt::Display for HandshakeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::TimedOut(timeout) => write!(
+                f,
+                "no hello within connect_timeout ({timeout:?}): the address is not a kvpush side \
+                 channel, or the peer is overloaded"
+            ),
+            Self::Closed(reason) => write!(f, "connection ended before the hello: {reason}"),
+            Self::Refused(error) => write!(f, "the peer's hello was refused: {error}"),
+            Self::Reply(reply) => {
+                write!(f, "the peer refused us ({}): {}", reply.code, reply.detail)
+            }
+            Self::NotHello(kind) => {
+                write!(f, "the peer's first frame was `{kind}`, but the handshake needs `hello`")
+            }
+        }
+    }
+}
+
+/// Reads the peer's first frame, which must be its Hello, by `deadline`.
+///
+/// A first frame the decoder refuses is counted with `refused(None, ..)` and answered with an
+/// error reply; the caller closes the connection on any error.
+pub(super) fn read_hello(
+    shared: &Shared,
+    conn: &Connection,
+    inbound: &mut Inbound,
+    deadline: Instant,
+) -> Result<Hello, HandshakeError> {
+    loop {
+        if let Some(reason) = conn.closed() {
+            return Err(HandshakeError::Closed(reason.clone()));
+        }
+        if Instant::now() >= deadline {
+            return Err(HandshakeError::TimedOut(shared.config.connect_timeout));
+        }
+        match inbound.frames.poll(&conn.socket) {
+            Ok(false) => continue,
+            Ok(true) => {}
+            Err(FrameError::Protocol(error)) => {
+                shared.handler.refused(None, &error);
+                conn.reply_and_close(&shared.encoder, &error.to_reply(), error.to_string());
+                return Err(HandshakeError::Refused(error));
+            }
+            Err(other) => return Err(HandshakeError::Closed(describe_end(&other))),
+        }
+        let decoded = inbound.decoder.decode(inbound.frames.frame(), unix_millis());
+        inbound.frames.consume();
+        return match decoded {
+            Ok(envelope) => match envelope.message {
+                Message::Hello(hello) => Ok(hello),
+                Message::Error(reply) => Err(HandshakeError::Reply(reply)),
+                other => {
+                    let error = HandshakeError::NotHello(other.kind());
+                    let reply = Message::Error(error_reply("invalid", &error.to_string()));
+                    conn.reply_and_close(&shared.encoder, &reply, error.to_string());
+                    Err(error)
+                }
+            },
+            Err(error) => {
+                shared.handler.refused(None, &error);
+                conn.reply_and_close(&shared.encoder, &error.to_reply(), error.to_string());
+                Err(HandshakeError::Refused(error))
+            }
+        };
+    }
+}
+
+/// The protocol's own conditions for two peers to talk (docs/protocol.md, `hello`): a side-channel
+/// version both speak, and equal compatibility hashes. The error is the reply to send.
+pub(super) fn check_hello(ours: &Hello, theirs: &Hello) -> Result<(), ErrorReply> {
+    if !theirs.versions.iter().any(|version| ours.versions.contains(version)) {
+        return Err(error_reply(
+            "unsupported_version",
+            &format!(
+                "engine {:?} speaks side-channel versions {:?}, engine {:?} speaks {:?}: run \
+                 matching kvpush versions",
+                theirs.engine_id, theirs.versions, ours.engine_id, ours.versions
+            ),
+        ));
+    }
+    if theirs.compatibility != ours.compatibility {
+        return Err(error_reply(
+            "incompatible",
+            &format!(
+                "engine {:?} has compatibility hash {:?}, engine {:?} has {:?}: prefill and \
+                 decode must run the same model, dtypes and attention backend",
+                theirs.engine_id, theirs.compatibility, ours.engine_id, ours.compatibility
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// An `error` reply whose detail fits [`MAX_REPLY_DETAIL_BYTES`].
+pub(super) fn error_reply(code: &str, detail: &str) -> ErrorReply {
+    let mut cut = detail.len().min(MAX_REPLY_DETAIL_BYTES);
+    while !detail.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    ErrorReply { code: code.to_owned(), detail: detail[..cut].to_owned() }
+}
+
+/// The body of every connection thread: handshake (accepting side), then serve until the
+/// connection ends; then forget the connection and, if the peer had joined, report it lost.
+///
+/// `peer_lost` is called here and only here for a connection that has a thread, so it is called
+/// exactly once per joined peer whatever ended the connection, a handler panic included.
+pub(super) fn run(shared: Arc<Shared>, conn: Arc<Connection>, start: Start) {
+    let outcome = panic::catch_unwind(AssertUnwindSafe(|| match start {
+        Start::Accepted => serve_accepted(&shared, &conn),
+        Start::Joined(inbound) => Some(serve(&shared, &conn, *inbound)),
+    }));
+    let reason = match outcome {
+        Ok(reason) => reason,
+        Err(panic) => conn.info().map(|_| {
+            let what = panic
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("a non-string payload");
+            format!("the connection's thread panicked (in a handler callback?): {what}")
+        }),
+    };
+    conn.close(reason.clone().unwrap_or_else(|| "handshake did not complete".to_owned()));
+    shared.forget(conn.id);
+    if let Some(reason) = reason {
+        shared.handler.peer_lost(conn.id, &reason);
+    }
+}
+
+/// The accepting side's handshake, then [`serve`]. `None` when the peer never joined.
+fn serve_accepted(shared: &Shared, conn: &Connection) -> Option<String> {
+    let deadline = Instant::now() + shared.config.connect_timeout;
+    let mut inbound = Inbound::new(&shared.config);
+    let hello = match read_hello(shared, conn, &mut inbound, deadline) {
+        Ok(hello) => hello,
+        Err(error) => {
+            conn.close(error.to_string());
+            return None;
+        }
+    };
+    if let Err(reply) = check_hello(&shared.hello, &hello) {
+        let reason = format!("refused the peer's hello: {}", reply.detail);
+        conn.reply_and_close(&shared.encoder, &Message::Error(reply), reason);
+        return None;
+    }
+    let info = PeerInfo { id: conn.id, addr: conn.addr, hello };
+    if let Err(reason) = shared.handler.peer_joined(&info) {
+        let reply = Message::Error(error_reply("incompatible", &reason));
+        conn.reply_and_close(
+            &shared.encoder,
+            &reply,
+            format!("handler refused the peer: {reason}"),
+        );
+        return None;
+    }
+    // peer_joined accepted it: from here on the peer is owed a peer_lost, whatever happens.
+    if let Err(error) = conn.answer_hello(&shared.encoder, &shared.hello, info) {
+        return Some(format!("sending our hello failed: {error}"));
+    }
+    Some(serve(shared, conn, inbound))
+}
+
+/// Reads and dispatches frames, sends heartbeats, and watches for silence until the connection
+/// ends; returns why it ended.
+fn serve(shared: &Shared, conn: &Connection, mut inbound: Inbound) -> String {
+    let config = &shared.config;
+    let mut last_frame = Instant::now();
+    let mut next_heartbeat = last_frame + config.heartbeat_interval;
+    let mut heartbeats_sent = 0_u64;
+    let mut refusals_in_a_row = 0_u32;
+    loop {
+        if let Some(reason) = conn.closed() {
+            return reason.clone();
+        }
+        let now = Instant::now();
+        if now >= next_heartbeat {
+            heartbeats_sent += 1;
+            let heartbeat = Message::Heartbeat(Heartbeat {
+                engine_id: shared.hello.engine_id.clone(),
+                seq: heartbeats_sent,
+                pending: shared.handler.pending(conn.id),
+            });
+            // A failed write closes the connection; the check at the top of the loop reports it.
+            let _ = conn.send(&shared.encoder, &heartbeat);
+            next_heartbeat = now + config.heartbeat_interval;
+            continue;
+        }
+        match inbound.frames.poll(&conn.socket) {
+            Ok(true) => {}
+            Ok(false) => {
+                // Only judged when nothing is waiting to be read: a slow handler delays reading,
+                // and frames queued behind it mean the peer is alive.
+                let silent = last_frame.elapsed();
+                if silent > config.peer_timeout {
+                    conn.close(format!(
+                        "no heartbeat for {:.1}s (peer_timeout {:.1}s): the peer is hung, \
+                         overloaded or unreachable",
+                        silent.as_secs_f64(),
+                        config.peer_timeout.as_secs_f64()
+                    ));
+                }
+                continue;
+            }
+            Err(FrameError::Protocol(error)) => {
+                shared.handler.refused(Some(conn.id), &error);
+                let reason = format!("{error}; closed: the stream is out of sync");
+                conn.reply_and_close(&shared.encoder, &error.to_reply(), reason);
+                continue;
+            }
+            Err(end) => {
+                let reason = describe_end(&end);
+                conn.close(reason);
+                continue;
+            }
+        }
+        last_frame = Instant::now();
+        let decoded = inbound.decoder.decode(inbound.frames.frame(), unix_millis());
+        inbound.frames.consume();
+        let refusal = match decoded {
+            Ok(envelope) => match envelope.message {
+                Message::Heartbeat(_) => None,
+                Message::Hello(_) => Some(ProtocolError::Invalid {
+                    field: "hello",
+                    reason: "sent again after the handshake".to_owned(),
+                }),
+                Message::Done(_) => Some(ProtocolError::Invalid {
+                    field: "done",
+                    reason: "travels only as the NIXL notification of a WRITE, never on the side \
+                             channel"
+                        .to_owned(),
+                }),
+                message => {
+                    shared.handler.message(conn.id, message);
+                    None
+                }
+            },
+            Err(error) => Some(error),
+        };
+        let Some(error) = refusal else {
+            refusals_in_a_row = 0;
+            continue;
+        };
+        shared.handler.refused(Some(conn.id), &error);
+        refusals_in_a_row += 1;
+        if loses_sync(&error) {
+            let reason = format!("{error}; closed: the stream is out of sync");
+            conn.reply_and_close(&shared.encoder, &error.to_reply(), reason);
+        } else if refusals_in_a_row >= MAX_REFUSALS_IN_A_ROW {
+            let reason = format!(
+                "the peer sent {refusals_in_a_row} refused frames in a row, the last one: {error}"
+            );
+            conn.reply_and_close(&shared.encoder, &error.to_reply(), reason);
+        } else {
+            let _ = conn.send(&shared.encoder, &error.to_reply());
+        }
+    }
+}
+
+/// Refusals after which the connection is closed (docs/protocol.md §2.3): the bytes were not a
+/// kvpush/1 frame, so the next frame boundary cannot be trusted either.
+fn loses_sync(error: &ProtocolError) -> bool {
+    matches!(
+        error,
+        ProtocolError::Oversized { .. }
+            | ProtocolError::Truncated { .. }
+            | ProtocolError::Malformed { .. }
+    )
+}
+
+fn describe_end(end: &FrameError) -> String {
+    match end {
+        FrameError::Closed { mid_frame: false } => "the peer closed the connection".to_owned(),
+        FrameError::Closed { mid_frame: true } => {
+            "the peer closed the connection in the middle of a frame".to_owned()
+        }
+        FrameError::Io(error) => format!("the connection failed: {error}"),
+        FrameError::Protocol(error) => error.to_string(),
+    }
+}
