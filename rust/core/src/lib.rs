@@ -6,6 +6,7 @@
 //! * [`protocol`]: the kvpush/1 control messages, their codec and authentication;
 //! * [`transport`]: the data path the writer drives (NIXL in `kvpush-nixl`, or in-process).
 
+pub mod endpoint;
 pub mod key;
 pub mod layout;
 pub mod loopback;

@@ -219,6 +219,7 @@ fn deliver(target: &Shared, from: &str, payload: &[u8]) {
 }
 
 #[cfg(all(test, not(loom)))]
+#[allow(clippy::unwrap_used)] // helpers outside #[test] fns: a failure is the test failing
 mod tests {
     use super::*;
 

@@ -1,0 +1,403 @@
+//! One worker's end of push transfers: the rendezvous table, the side channel and the writer
+//! thread, behind the few calls an engine makes.
+//!
+//! A prefill worker (P) calls [`Endpoint::ready`] when a request's KV is computed; a decode
+//! worker (D) calls [`Endpoint::expect`] once it has allocated the request's blocks, which
+//! registers them with P over the side channel. Whichever half reaches P's table second makes the
+//! match, on the thread that delivered it (the engine thread or the side channel's reader: neither
+//! ever waits for the writer), and the match goes to the writer thread's inbox. The writer plans,
+//! posts the WRITE whose notification is the DONE message, polls it, and reports the outcome.
+//! Both sides drain outcomes with [`Endpoint::poll`], which never blocks.
+//!
+//! ```text
+//!  engine thread ── ready ──► table ◄── REG ── side channel reader
+//!                               │ match (second arrival)
+//!                               ▼
+//!  writer thread: inbox ─► plan ─► post WRITE(+DONE) ─► poll ─► events ─► Endpoint::poll
+//! ```
+//!
+//! Every path ends in exactly one event per request: a transfer never just goes quiet. P-side
+//! refusals, aborts and expiries send D a FAIL; D-side deadlines send P a CANCEL and D reports the
+//! request only once P acknowledged it (or is gone), so D never frees blocks a write may still
+//! land in.
+
+mod control;
+mod events;
+mod writer;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+pub use events::{Event, Outcome, Role, Timeline};
+
+use crate::key::TransferKey;
+use crate::layout::KvLayout;
+use crate::protocol::{BlockGroup, FailReason, Hello, Secret, PROTOCOL_VERSION};
+use crate::rendezvous::{Arrival, Cancelled, Epoch, RendezvousError, RendezvousTable, TableConfig};
+use crate::side_channel::{SideChannel, SideChannelConfig};
+use crate::sync::lock;
+use crate::transport::{MemorySpace, Transport, TransportError};
+
+use control::Control;
+use writer::{Command, Writer};
+
+/// How an [`Endpoint`] is set up.
+#[derive(Debug, Clone)]
+pub struct EndpointConfig {
+    /// This worker's engine id (the router names P by it).
+    pub engine_id: String,
+    /// This worker's KV cache layout (addresses are in its registered memory).
+    pub layout: KvLayout,
+    /// Where the KV cache lives.
+    pub memory: MemorySpace,
+    /// Hash of what must match between P and D (model, dtypes, ...); peers must agree.
+    pub compatibility: String,
+    /// Side channel address to listen on (`127.0.0.1:0` picks a free port).
+    pub bind: SocketAddr,
+    /// Shared secret for signing control messages; `None` trusts the network.
+    pub secret: Option<Vec<u8>>,
+    /// Rendezvous table sizing.
+    pub table: TableConfig,
+    /// A posted write that is not done after this long is abandoned and reported failed.
+    pub write_timeout: Duration,
+    /// Side channel heartbeat period; a peer silent for `peer_timeout` is lost.
+    pub heartbeat_interval: Duration,
+    /// See `heartbeat_interval`.
+    pub peer_timeout: Duration,
+    /// Longest wait for a side channel connection and handshake.
+    pub connect_timeout: Duration,
+}
+
+impl EndpointConfig {
+    /// Defaults for everything but identity and layout.
+    pub fn new(engine_id: impl Into<String>, layout: KvLayout) -> Self {
+        Self {
+            engine_id: engine_id.into(),
+            layout,
+            memory: MemorySpace::DRAM,
+            compatibility: String::new(),
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            secret: None,
+            table: TableConfig::default(),
+            write_timeout: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(1),
+            peer_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+/// P's KV for one request is computed and may be written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadyKv {
+    /// P's request id (vLLM's internal id, with its engine suffix).
+    pub request_id: String,
+    /// The router's transfer id, when it sent one.
+    pub transfer_id: Option<String>,
+    /// P's logical block ids per KV cache group, covering the whole prompt.
+    pub groups: Vec<BlockGroup>,
+    /// Tokens computed.
+    pub num_tokens: u64,
+    /// How long P keeps the blocks for D to register.
+    pub ttl: Duration,
+}
+
+/// D expects one request's KV from P.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expectation {
+    /// D's request id.
+    pub request_id: String,
+    /// The router's transfer id, when it sent one.
+    pub transfer_id: Option<String>,
+    /// P's side channel address, `host:port`.
+    pub source: String,
+    /// D's destination blocks per KV cache group (the uncached suffix).
+    pub groups: Vec<BlockGroup>,
+    /// Tokens in the prompt.
+    pub num_tokens: u64,
+    /// Registration epoch: 1, bumped when D re-registers after a preemption.
+    pub epoch: Epoch,
+    /// How long D waits for the KV before cancelling.
+    pub ttl: Duration,
+    /// DONEs to wait for: one per P rank that writes into this D rank.
+    pub sources: u32,
+}
+
+/// What [`Endpoint::abort`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortOutcome {
+    /// No write will happen; P's blocks are free now (D was told if it had registered).
+    Released,
+    /// A write is in flight: keep the blocks until its event arrives.
+    InFlight,
+    /// The endpoint knew nothing of the request (already ended, or never reported ready).
+    Unknown,
+}
+
+/// Why an endpoint call was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointError {
+    /// The rendezvous table refused the arrival.
+    #[error(transparent)]
+    Rendezvous(#[from] RendezvousError),
+    /// The transport failed while the endpoint was being set up.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The side channel could not be started.
+    #[error("cannot listen for peers on {addr}: {source}; pick a free port or address")]
+    Listen {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// Why not.
+        source: std::io::Error,
+    },
+    /// The shared secret is unusable.
+    #[error("the shared secret is unusable: {0}")]
+    Secret(String),
+    /// The endpoint was closed.
+    #[error("the kvpush endpoint is closed; create a new one")]
+    Closed,
+}
+
+/// Counters of things that went wrong without ending a request, for metrics and logs.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Control frames or notifications refused (malformed, unauthenticated, replayed, ...).
+    pub refused_frames: AtomicU64,
+    /// Transport calls that failed outside any one write (e.g. receiving notifications).
+    pub transport_errors: AtomicU64,
+    /// DONEs for requests D no longer awaits (cancelled, failed or re-registered).
+    pub stray_notifications: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn add(counter: &AtomicU64) {
+        // Relaxed: a statistic, read independently of any other memory.
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A snapshot of an endpoint's [`Counters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// See [`Counters::refused_frames`].
+    pub refused_frames: u64,
+    /// See [`Counters::transport_errors`].
+    pub transport_errors: u64,
+    /// See [`Counters::stray_notifications`].
+    pub stray_notifications: u64,
+}
+
+/// State shared by the engine-facing calls, the side channel's handler and the writer.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) counters: Counters,
+    pub(crate) table: RendezvousTable<writer::Registration, Arc<writer::Ready>>,
+    /// The writer's inbox. `Sender` is `Sync`: every thread sends without a lock.
+    pub(crate) inbox: Sender<Command>,
+    pub(crate) origin: Instant,
+}
+
+impl Shared {
+    /// Hands `command` to the writer; false once the writer has stopped.
+    pub(crate) fn send(&self, command: Command) -> bool {
+        self.inbox.send(command).is_ok()
+    }
+}
+
+/// One worker's push endpoint; see the module docs.
+#[derive(Debug)]
+pub struct Endpoint {
+    shared: Arc<Shared>,
+    events: Mutex<Receiver<Event>>,
+    side_channel: Arc<SideChannel>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Endpoint {
+    /// Starts the side channel and the writer thread, which takes `transport` (with this
+    /// worker's KV memory already registered).
+    pub fn start<T: Transport + 'static>(
+        config: EndpointConfig,
+        mut transport: T,
+    ) -> Result<Self, EndpointError> {
+        let secret = config
+            .secret
+            .as_deref()
+            .map(Secret::from_bytes)
+            .transpose()
+            .map_err(|e| EndpointError::Secret(e.to_string()))?;
+        let hello = Hello {
+            engine_id: config.engine_id.clone(),
+            tp_rank: config.layout.tp_rank,
+            tp_size: config.layout.tp_size,
+            pp_rank: 0,
+            pp_size: 1,
+            agent_name: transport.name().to_owned(),
+            agent_metadata: transport.metadata()?,
+            layout: config.layout.clone(),
+            compatibility: config.compatibility.clone(),
+            versions: vec![PROTOCOL_VERSION],
+        };
+        let (inbox, commands) = mpsc::channel();
+        let (event_sink, events) = mpsc::channel();
+        let shared = Arc::new(Shared {
+            table: RendezvousTable::new(config.table.clone()),
+            inbox,
+            origin: Instant::now(),
+            counters: Counters::default(),
+        });
+        let control = Arc::new(Control::new(Arc::clone(&shared), config.compatibility.clone()));
+        let mut side_config = SideChannelConfig::new(
+            config.bind,
+            format!("{}/{}", config.engine_id, transport.name()),
+        );
+        side_config.secret = secret.clone();
+        side_config.heartbeat_interval = config.heartbeat_interval;
+        side_config.peer_timeout = config.peer_timeout;
+        side_config.connect_timeout = config.connect_timeout;
+        let side_channel = Arc::new(
+            SideChannel::start(side_config, hello, control)
+                .map_err(|source| EndpointError::Listen { addr: config.bind, source })?,
+        );
+        let writer = Writer::new(
+            &config,
+            transport,
+            secret,
+            Arc::clone(&shared),
+            Arc::clone(&side_channel),
+            commands,
+            event_sink,
+        );
+        let handle = thread::Builder::new()
+            .name(format!("kvpush-writer-{}", config.engine_id))
+            .spawn(move || writer.run())
+            .map_err(|e| EndpointError::Transport(TransportError::new("spawn writer", e)))?;
+        Ok(Self {
+            shared,
+            events: Mutex::new(events),
+            side_channel,
+            writer: Mutex::new(Some(handle)),
+        })
+    }
+
+    /// The side channel address peers (D workers) connect to.
+    pub fn address(&self) -> SocketAddr {
+        self.side_channel.local_addr()
+    }
+
+    /// P: the request's KV is computed. The write starts at once if D already registered.
+    ///
+    /// An error means no write will happen (e.g. D cancelled first): free the blocks now.
+    pub fn ready(&self, ready: ReadyKv) -> Result<(), EndpointError> {
+        let key = TransferKey::for_request(ready.transfer_id.as_deref(), &ready.request_id);
+        let now = Instant::now();
+        let deadline = now + ready.ttl;
+        let ready = Arc::new(writer::Ready { kv: ready, at: now });
+        match self.shared.table.ready(key, ready, deadline, now)? {
+            Arrival::Matched(m) => {
+                if !self.shared.send(Command::Write(m)) {
+                    return Err(EndpointError::Closed);
+                }
+            }
+            Arrival::Waiting { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// P: the request was aborted (or finished without KV to send). D is told if it had
+    /// registered; see [`AbortOutcome`] for what to do with the blocks.
+    pub fn abort(&self, request_id: &str, transfer_id: Option<&str>) -> AbortOutcome {
+        let key = TransferKey::for_request(transfer_id, request_id);
+        match self.shared.table.cancel(&key, None, Instant::now()) {
+            Cancelled::NotFound => AbortOutcome::Unknown,
+            Cancelled::Deferred => AbortOutcome::InFlight,
+            Cancelled::Removed { registration, .. } => {
+                if let Some(registration) = registration {
+                    let fail = registration.fail(
+                        FailReason::Aborted,
+                        format!("P aborted request {request_id}; recompute it locally"),
+                    );
+                    self.shared.send(Command::Fail { peer: registration.peer, fail });
+                }
+                AbortOutcome::Released
+            }
+        }
+    }
+
+    /// D: register `expectation`'s blocks with P (connecting to it first if needed) and wait
+    /// for the KV. Ends in a `Received`, `Failed` or `Cancelled` event.
+    pub fn expect(&self, expectation: Expectation) -> Result<(), EndpointError> {
+        if self.shared.send(Command::Expect(expectation, Instant::now())) {
+            Ok(())
+        } else {
+            Err(EndpointError::Closed)
+        }
+    }
+
+    /// D: stop waiting for `request_id` (aborted or preempted). P is asked to cancel; the
+    /// `Cancelled` event comes once P confirmed no write can still land (or P is gone).
+    pub fn cancel(&self, request_id: &str) -> Result<(), EndpointError> {
+        if self.shared.send(Command::CancelExpectation(request_id.to_owned())) {
+            Ok(())
+        } else {
+            Err(EndpointError::Closed)
+        }
+    }
+
+    /// Every event since the last call; never blocks.
+    pub fn poll(&self) -> Vec<Event> {
+        lock(&self.events).try_iter().collect()
+    }
+
+    /// Waits up to `timeout` for at least one event, then returns all that are ready.
+    pub fn wait(&self, timeout: Duration) -> Vec<Event> {
+        let events = lock(&self.events);
+        match events.recv_timeout(timeout) {
+            Ok(first) => std::iter::once(first).chain(events.try_iter()).collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// Transfers waiting in the rendezvous table (P side).
+    pub fn pending(&self) -> usize {
+        self.shared.table.len()
+    }
+
+    /// What went wrong without ending a request.
+    pub fn stats(&self) -> Stats {
+        let c = &self.shared.counters;
+        // Relaxed: independent statistics (see `Counters::add`).
+        Stats {
+            refused_frames: c.refused_frames.load(Ordering::Relaxed),
+            transport_errors: c.transport_errors.load(Ordering::Relaxed),
+            stray_notifications: c.stray_notifications.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Seconds since the endpoint started: the clock event timelines use.
+    pub fn clock(&self) -> f64 {
+        self.shared.origin.elapsed().as_secs_f64()
+    }
+
+    /// Stops the writer (failing what is still pending) and the side channel. Idempotent.
+    pub fn close(&self) {
+        self.shared.send(Command::Stop);
+        if let Some(handle) = lock(&self.writer).take() {
+            // The writer exits within one poll interval of `Stop`; a panic in it has already
+            // been reported by the panic hook, and there is nothing left to clean up here.
+            let _ = handle.join();
+        }
+        self.side_channel.close();
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
