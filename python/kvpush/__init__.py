@@ -5,6 +5,8 @@ The public API is re-exported here from the native core (``kvpush._native``, pri
 * :class:`RendezvousTable`: where D's registration meets P's finished KV;
 * :class:`KvLayout`, :class:`Region`, :class:`Planner`, :class:`Plan`: block ids to byte runs;
 * :class:`Encoder`, :class:`Decoder`: the kvpush/1 control messages (``docs/protocol.md``);
+* :class:`Endpoint`, :class:`TransferEvent`: a worker's push endpoint (side channel, table and
+  native writer thread over NIXL or the in-process loopback);
 * :func:`transfer_key`, :func:`canonical_request_id`: how P and D name one request;
 * :mod:`kvpush.exceptions`: the error hierarchy.
 
@@ -17,6 +19,7 @@ from kvpush._native import (
     Cancellation,
     Decoder,
     Encoder,
+    Endpoint,
     Expired,
     Finished,
     KvLayout,
@@ -24,11 +27,13 @@ from kvpush._native import (
     Planner,
     Region,
     RendezvousTable,
+    TransferEvent,
     __version__,
     canonical_request_id,
     frame_length,
     transfer_key,
 )
+from kvpush import exceptions, nixl
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -36,6 +41,7 @@ __all__ = [
     "Cancellation",
     "Decoder",
     "Encoder",
+    "Endpoint",
     "Expired",
     "Finished",
     "KvLayout",
@@ -43,8 +49,11 @@ __all__ = [
     "Planner",
     "Region",
     "RendezvousTable",
+    "TransferEvent",
     "__version__",
     "canonical_request_id",
+    "exceptions",
     "frame_length",
+    "nixl",
     "transfer_key",
 ]

@@ -194,6 +194,96 @@ class RendezvousTable:
     @property
     def fences(self) -> int: ...
 
+# --- push endpoint ---------------------------------------------------------------------------
+
+@final
+class TransferEvent:
+    """How one request's transfer ended on this side."""
+
+    @property
+    def role(self) -> Literal["send", "receive"]: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def outcome(self) -> Literal["done", "failed", "cancelled"]: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def runs(self) -> int: ...
+    @property
+    def timeline(self) -> dict[str, float]:
+        """Seconds on the endpoint's clock: registered, ready, matched, posted, completed."""
+
+@final
+class Endpoint:
+    """A worker's push endpoint: side channel, rendezvous table and native writer thread.
+
+    ``memory`` lists ``(address, length)`` of the KV cache buffers; they must stay allocated
+    until :meth:`close`. With ``transport="nixl"`` the library is found by
+    :func:`kvpush.nixl.library_path` unless ``nixl_library`` names it.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        layout: KvLayout,
+        *,
+        memory: Sequence[tuple[int, int]],
+        transport: Literal["nixl", "loopback"] = "nixl",
+        agent_name: str | None = None,
+        nixl_library: str | None = None,
+        device: int | None = None,
+        bind: str = "127.0.0.1:0",
+        secret: builtins.bytes | None = None,
+        compatibility: str = "",
+        write_timeout: float = 30.0,
+        heartbeat_interval: float = 1.0,
+        peer_timeout: float = 5.0,
+        connect_timeout: float = 3.0,
+    ) -> None: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def pending(self) -> int: ...
+    def ready(
+        self,
+        request_id: str,
+        blocks: Sequence[Sequence[int]] | Sequence[int],
+        num_tokens: int,
+        *,
+        transfer_id: str | None = None,
+        first_tokens: Sequence[int] | None = None,
+        ttl: float = 30.0,
+    ) -> None: ...
+    def abort(
+        self, request_id: str, transfer_id: str | None = None
+    ) -> Literal["released", "in_flight", "unknown"]: ...
+    def expect(
+        self,
+        request_id: str,
+        source: str,
+        blocks: Sequence[Sequence[int]] | Sequence[int],
+        num_tokens: int,
+        *,
+        transfer_id: str | None = None,
+        first_tokens: Sequence[int] | None = None,
+        epoch: int = 1,
+        ttl: float = 30.0,
+        sources: int = 1,
+    ) -> None: ...
+    def cancel(self, request_id: str) -> None: ...
+    def poll(self) -> list[TransferEvent]: ...
+    def wait(self, timeout: float) -> list[TransferEvent]: ...
+    def clock(self) -> float: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Endpoint: ...
+    def __exit__(self, *args: object) -> bool: ...
+
 # --- kvpush/1 protocol ----------------------------------------------------------------------
 
 def frame_length(prefix: bytes, max_frame_bytes: int = ...) -> int | None:
@@ -245,3 +335,5 @@ class ProtocolError(KvPushError): ...
 class MessageTooLargeError(ProtocolError): ...
 class MalformedMessageError(ProtocolError): ...
 class AuthenticationError(ProtocolError): ...
+class TransportError(KvPushError): ...
+class NixlUnavailableError(TransportError): ...

@@ -14,10 +14,12 @@ here, which is where user code should import them from::
     │   ├── DuplicateReadyError   the KV of a request was reported ready twice
     │   ├── NotMatchedError       a write began or finished for an epoch that is not matched
     │   └── TableFullError        too many transfers pending: backpressure
-    └── ProtocolError             a kvpush/1 message was refused
-        ├── MessageTooLargeError  over the frame size limit
-        ├── MalformedMessageError not a valid kvpush/1 frame (truncated, bad fields, unknown kind)
-        └── AuthenticationError   unsigned, forged, replayed or too old (with a secret configured)
+    ├── ProtocolError             a kvpush/1 message was refused
+    │   ├── MessageTooLargeError  over the frame size limit
+    │   ├── MalformedMessageError not a valid kvpush/1 frame (truncated, bad fields, unknown kind)
+    │   └── AuthenticationError   unsigned, forged, replayed or too old (with a secret configured)
+    └── TransportError            the data path (NIXL, loopback) or the side channel failed
+        └── NixlUnavailableError  NIXL's C API library could not be found or loaded
 
 Each instance carries a stable ``code`` (snake_case, for metrics and logs) and, where one is
 known, the ``key`` (transfer key) or ``request`` it concerns.
@@ -32,12 +34,14 @@ from kvpush._native import (
     LayoutError,
     MalformedMessageError,
     MessageTooLargeError,
+    NixlUnavailableError,
     NotMatchedError,
     PlanError,
     ProtocolError,
     RendezvousError,
     StaleEpochError,
     TableFullError,
+    TransportError,
 )
 
 __all__ = [
@@ -49,10 +53,12 @@ __all__ = [
     "LayoutError",
     "MalformedMessageError",
     "MessageTooLargeError",
+    "NixlUnavailableError",
     "NotMatchedError",
     "PlanError",
     "ProtocolError",
     "RendezvousError",
     "StaleEpochError",
     "TableFullError",
+    "TransportError",
 ]

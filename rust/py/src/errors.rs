@@ -68,6 +68,18 @@ create_exception!(
 create_exception!(kvpush.exceptions, ProtocolError, KvPushError, "A kvpush/1 message was refused.");
 create_exception!(
     kvpush.exceptions,
+    TransportError,
+    KvPushError,
+    "The data path (NIXL or loopback) or the side channel failed."
+);
+create_exception!(
+    kvpush.exceptions,
+    NixlUnavailableError,
+    TransportError,
+    "NIXL's C API library could not be loaded."
+);
+create_exception!(
+    kvpush.exceptions,
     MessageTooLargeError,
     ProtocolError,
     "A frame over the size limit."
@@ -102,6 +114,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MessageTooLargeError", py.get_type::<MessageTooLargeError>())?;
     m.add("MalformedMessageError", py.get_type::<MalformedMessageError>())?;
     m.add("AuthenticationError", py.get_type::<AuthenticationError>())?;
+    m.add("TransportError", py.get_type::<TransportError>())?;
+    m.add("NixlUnavailableError", py.get_type::<NixlUnavailableError>())?;
     Ok(())
 }
 
@@ -111,6 +125,44 @@ pub(crate) enum Error {
     Plan(planner::PlanError),
     Protocol(protocol::ProtocolError),
     Rendezvous(rendezvous::RendezvousError),
+    /// A data-path or endpoint failure, with its stable code.
+    Transport {
+        code: &'static str,
+        message: String,
+    },
+    /// NIXL's library could not be loaded.
+    NixlUnavailable(String),
+}
+
+impl From<kvpush_core::transport::TransportError> for Error {
+    fn from(error: kvpush_core::transport::TransportError) -> Self {
+        Self::Transport { code: "transport", message: error.to_string() }
+    }
+}
+
+impl From<kvpush_nixl::NixlError> for Error {
+    fn from(error: kvpush_nixl::NixlError) -> Self {
+        Self::Transport { code: "nixl", message: error.to_string() }
+    }
+}
+
+impl From<kvpush_nixl::LoadError> for Error {
+    fn from(error: kvpush_nixl::LoadError) -> Self {
+        Self::NixlUnavailable(error.to_string())
+    }
+}
+
+impl From<kvpush_core::endpoint::EndpointError> for Error {
+    fn from(error: kvpush_core::endpoint::EndpointError) -> Self {
+        use kvpush_core::endpoint::EndpointError as E;
+        match error {
+            E::Rendezvous(error) => Self::Rendezvous(error),
+            E::Transport(error) => error.into(),
+            E::Listen { .. } => Self::Transport { code: "listen", message: error.to_string() },
+            E::Secret(_) => Self::Transport { code: "weak_secret", message: error.to_string() },
+            E::Closed => Self::Transport { code: "closed", message: error.to_string() },
+        }
+    }
 }
 
 impl From<rendezvous::RendezvousError> for Error {
@@ -177,6 +229,14 @@ impl From<Error> for PyErr {
                     .unbind()
                 });
                 raise(class, &error, error.code(), &[("key", Some(error.key().as_str()))])
+            }
+            Error::Transport { code, message } => {
+                let class = Python::attach(|py| py.get_type::<TransportError>().unbind());
+                raise(class, &message, code, &[])
+            }
+            Error::NixlUnavailable(message) => {
+                let class = Python::attach(|py| py.get_type::<NixlUnavailableError>().unbind());
+                raise(class, &message, "nixl_unavailable", &[])
             }
         }
     }

@@ -8,6 +8,7 @@
 use pyo3::prelude::*;
 
 mod codec;
+mod endpoint;
 mod errors;
 mod native;
 mod planner;
@@ -37,6 +38,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<planner::KvLayout>()?;
     m.add_class::<planner::Planner>()?;
     m.add_class::<planner::Plan>()?;
+    m.add_class::<endpoint::Endpoint>()?;
+    m.add_class::<endpoint::TransferEvent>()?;
     m.add_class::<table::RendezvousTable>()?;
     m.add_class::<table::Arrival>()?;
     m.add_class::<table::Finished>()?;

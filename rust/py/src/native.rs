@@ -35,3 +35,9 @@ where
         }
     }
 }
+
+/// [`native`] for work that cannot fail (waits, closes, table operations): only a panic is
+/// turned into an error.
+pub(crate) fn detached<T: Send>(py: Python<'_>, work: impl FnOnce() -> T + Send) -> PyResult<T> {
+    native(py, || Ok::<T, Error>(work()))
+}

@@ -222,13 +222,13 @@ impl Plan {
 
 /// Block lists as Python gives them: one list per KV group, or one flat list for one group.
 #[derive(FromPyObject)]
-enum Groups {
+pub(crate) enum Groups {
     PerGroup(Vec<Vec<u32>>),
     Single(Vec<u32>),
 }
 
 impl Groups {
-    fn into_lists(self) -> Vec<Vec<u32>> {
+    pub(crate) fn into_lists(self) -> Vec<Vec<u32>> {
         match self {
             Self::PerGroup(lists) => lists,
             Self::Single(ids) => vec![ids],

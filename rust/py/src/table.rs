@@ -15,8 +15,7 @@ use kvpush_core::TransferKey;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::errors::Error;
-use crate::native::native;
+use crate::native::{detached, native};
 
 /// D's registration as Python gave it.
 type Registration = Py<PyAny>;
@@ -246,7 +245,7 @@ impl RendezvousTable {
     ) -> PyResult<Cancellation> {
         let key = TransferKey::from_canonical(key);
         let now = self.instant(now)?;
-        let cancelled = native(py, || Ok::<_, Error>(self.table.cancel(&key, epoch, now)))?;
+        let cancelled = detached(py, || self.table.cancel(&key, epoch, now))?;
         Ok(match cancelled {
             Cancelled::NotFound => {
                 Cancellation { status: "not_found", registration: None, ready: None }
@@ -266,7 +265,7 @@ impl RendezvousTable {
     #[pyo3(signature = (*, now = None))]
     fn expire(&self, py: Python<'_>, now: Option<f64>) -> PyResult<Vec<Expired>> {
         let now = self.instant(now)?;
-        let expired = native(py, || Ok::<_, Error>(self.table.expire(now)))?;
+        let expired = detached(py, || self.table.expire(now))?;
         Ok(expired
             .into_iter()
             .map(|e| {

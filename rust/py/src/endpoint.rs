@@ -1,0 +1,365 @@
+//! `Endpoint` and `TransferEvent`: a worker's push endpoint as Python sees it.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use kvpush_core::endpoint::{
+    self as core, AbortOutcome, EndpointConfig, Event, Expectation, Outcome, ReadyKv, Role,
+};
+use kvpush_core::loopback::LoopbackTransport;
+use kvpush_core::protocol::BlockGroup;
+use kvpush_core::transport::{MemoryRegion, MemorySpace, Transport};
+use kvpush_nixl::{AgentConfig, Library, NixlTransport};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::Error;
+use crate::native::{detached, native};
+use crate::planner::KvLayout;
+
+fn seconds(value: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(value).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} must be a finite number of seconds >= 0, not {value}"
+        ))
+    })
+}
+
+/// Block lists as Python gives them: one list per KV group, or one flat list for one group,
+/// with each group's first token (0 unless given).
+fn groups(
+    blocks: crate::planner::Groups,
+    first_tokens: Option<Vec<u64>>,
+) -> PyResult<Vec<BlockGroup>> {
+    let lists = blocks.into_lists();
+    let firsts = first_tokens.unwrap_or_else(|| vec![0; lists.len()]);
+    if firsts.len() != lists.len() {
+        return Err(PyValueError::new_err(format!(
+            "first_tokens has {} entries but blocks has {} groups",
+            firsts.len(),
+            lists.len()
+        )));
+    }
+    Ok(lists
+        .into_iter()
+        .zip(firsts)
+        .map(|(block_ids, first_token)| BlockGroup { first_token, block_ids })
+        .collect())
+}
+
+/// How one request's transfer ended on this side.
+#[pyclass(module = "kvpush", frozen, get_all)]
+#[derive(Debug)]
+pub(crate) struct TransferEvent {
+    /// "send" (P) or "receive" (D).
+    role: &'static str,
+    /// The local request id.
+    request_id: String,
+    /// The transfer key both sides matched on.
+    key: String,
+    /// "done", "failed" or "cancelled".
+    outcome: &'static str,
+    /// Why, when not done.
+    reason: Option<String>,
+    /// Bytes written (P) or announced by the DONEs (D).
+    bytes: u64,
+    /// Descriptor runs in the WRITE (P).
+    runs: u32,
+    /// Seconds on the endpoint's clock: registered, ready, matched, posted, completed.
+    timeline: Py<PyDict>,
+}
+
+impl TransferEvent {
+    fn new(py: Python<'_>, event: Event) -> PyResult<Self> {
+        let (outcome, reason) = match event.outcome {
+            Outcome::Done => ("done", None),
+            Outcome::Failed(reason) => ("failed", Some(reason)),
+            Outcome::Cancelled(reason) => ("cancelled", Some(reason)),
+        };
+        let t = event.timeline;
+        let timeline = PyDict::new(py);
+        for (name, at) in [
+            ("registered", t.registered),
+            ("ready", t.ready),
+            ("matched", t.matched),
+            ("posted", t.posted),
+            ("completed", t.completed),
+        ] {
+            if let Some(at) = at {
+                timeline.set_item(name, at)?;
+            }
+        }
+        Ok(Self {
+            role: match event.role {
+                Role::Send => "send",
+                Role::Receive => "receive",
+            },
+            request_id: event.request_id,
+            key: event.key.as_str().to_owned(),
+            outcome,
+            reason,
+            bytes: event.bytes,
+            runs: event.runs,
+            timeline: timeline.unbind(),
+        })
+    }
+}
+
+#[pymethods]
+impl TransferEvent {
+    fn __repr__(&self) -> String {
+        match &self.reason {
+            None => format!(
+                "TransferEvent({} {:?} {}: {} bytes, {} runs)",
+                self.role, self.request_id, self.outcome, self.bytes, self.runs
+            ),
+            Some(reason) => {
+                format!(
+                    "TransferEvent({} {:?} {}: {reason})",
+                    self.role, self.request_id, self.outcome
+                )
+            }
+        }
+    }
+}
+
+fn events(py: Python<'_>, events: Vec<Event>) -> PyResult<Vec<TransferEvent>> {
+    events.into_iter().map(|e| TransferEvent::new(py, e)).collect()
+}
+
+/// A worker's push endpoint: side channel, rendezvous table and native writer thread.
+#[pyclass(module = "kvpush", frozen)]
+#[derive(Debug)]
+pub(crate) struct Endpoint(core::Endpoint);
+
+fn start<T: Transport + 'static>(
+    mut transport: T,
+    memory: &[(u64, u64)],
+    space: MemorySpace,
+    config: EndpointConfig,
+) -> Result<core::Endpoint, Error> {
+    let regions: Vec<MemoryRegion> =
+        memory.iter().map(|&(addr, len)| MemoryRegion { addr, len, space }).collect();
+    // SAFETY: the Python caller promises (see `Endpoint`'s docs) that the memory stays
+    // allocated until the endpoint is closed; the endpoint's transport is dropped by `close`.
+    unsafe { transport.register_memory(&regions) }.map_err(Error::from)?;
+    core::Endpoint::start(config, transport).map_err(Error::from)
+}
+
+#[pymethods]
+impl Endpoint {
+    /// Starts an endpoint. `memory` lists `(address, length)` of the KV cache buffers, which
+    /// must stay allocated until `close()`.
+    #[new]
+    #[pyo3(signature = (
+        engine_id, layout, *, memory, transport = "nixl", agent_name = None, nixl_library = None,
+        device = None, bind = "127.0.0.1:0", secret = None, compatibility = "",
+        write_timeout = 30.0, heartbeat_interval = 1.0, peer_timeout = 5.0, connect_timeout = 3.0
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        engine_id: String,
+        layout: &KvLayout,
+        memory: Vec<(u64, u64)>,
+        transport: &str,
+        agent_name: Option<String>,
+        nixl_library: Option<String>,
+        device: Option<u32>,
+        bind: &str,
+        secret: Option<Vec<u8>>,
+        compatibility: &str,
+        write_timeout: f64,
+        heartbeat_interval: f64,
+        peer_timeout: f64,
+        connect_timeout: f64,
+    ) -> PyResult<Self> {
+        let bind: SocketAddr = bind
+            .parse()
+            .map_err(|_| PyValueError::new_err(format!("bind must be host:port, not {bind:?}")))?;
+        let space = match device {
+            None => MemorySpace::DRAM,
+            Some(device) => MemorySpace { kind: kvpush_core::transport::MemoryKind::Vram, device },
+        };
+        let mut config = EndpointConfig::new(engine_id.clone(), layout.0.clone());
+        config.memory = space;
+        config.bind = bind;
+        config.secret = secret;
+        config.compatibility = compatibility.to_owned();
+        config.write_timeout = seconds(write_timeout, "write_timeout")?;
+        config.heartbeat_interval = seconds(heartbeat_interval, "heartbeat_interval")?;
+        config.peer_timeout = seconds(peer_timeout, "peer_timeout")?;
+        config.connect_timeout = seconds(connect_timeout, "connect_timeout")?;
+        let name = agent_name.unwrap_or_else(|| {
+            format!("{engine_id}-tp{}-{}", layout.0.tp_rank, std::process::id())
+        });
+        let endpoint = match transport {
+            "loopback" => native(py, || {
+                let transport = LoopbackTransport::new(name).map_err(Error::from)?;
+                start(transport, &memory, space, config)
+            })?,
+            "nixl" => {
+                let path = match nixl_library {
+                    Some(path) => path,
+                    None => py.import("kvpush.nixl")?.call_method0("library_path")?.extract()?,
+                };
+                native(py, || {
+                    let library = Library::load(&path).map_err(Error::from)?;
+                    let transport = NixlTransport::new(&library, &name, &AgentConfig::default())
+                        .map_err(Error::from)?;
+                    start(transport, &memory, space, config)
+                })?
+            }
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "transport must be 'nixl' or 'loopback', not {other:?}"
+                )))
+            }
+        };
+        Ok(Self(endpoint))
+    }
+
+    /// The side channel address D workers connect to (`host:port`).
+    #[getter]
+    fn address(&self) -> String {
+        self.0.address().to_string()
+    }
+
+    /// P: the request's KV is computed; `blocks` are P's logical block ids (per KV group).
+    #[pyo3(signature = (request_id, blocks, num_tokens, *, transfer_id = None, first_tokens = None, ttl = 30.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn ready(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        blocks: crate::planner::Groups,
+        num_tokens: u64,
+        transfer_id: Option<String>,
+        first_tokens: Option<Vec<u64>>,
+        ttl: f64,
+    ) -> PyResult<()> {
+        let ready = ReadyKv {
+            request_id,
+            transfer_id,
+            groups: groups(blocks, first_tokens)?,
+            num_tokens,
+            ttl: seconds(ttl, "ttl")?,
+        };
+        native(py, || self.0.ready(ready).map_err(Error::from))
+    }
+
+    /// P: the request was aborted. Returns "released" (free the blocks), "in_flight" (wait for
+    /// its event) or "unknown".
+    #[pyo3(signature = (request_id, transfer_id = None))]
+    fn abort(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        transfer_id: Option<&str>,
+    ) -> PyResult<&'static str> {
+        let outcome = detached(py, || self.0.abort(request_id, transfer_id))?;
+        Ok(match outcome {
+            AbortOutcome::Released => "released",
+            AbortOutcome::InFlight => "in_flight",
+            AbortOutcome::Unknown => "unknown",
+        })
+    }
+
+    /// D: register `blocks` with the P at `source` and await the KV (one DONE per source rank).
+    #[pyo3(signature = (
+        request_id, source, blocks, num_tokens, *, transfer_id = None, first_tokens = None,
+        epoch = 1, ttl = 30.0, sources = 1
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn expect(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        source: String,
+        blocks: crate::planner::Groups,
+        num_tokens: u64,
+        transfer_id: Option<String>,
+        first_tokens: Option<Vec<u64>>,
+        epoch: u64,
+        ttl: f64,
+        sources: u32,
+    ) -> PyResult<()> {
+        if sources == 0 {
+            return Err(PyValueError::new_err("sources must be at least 1"));
+        }
+        let expectation = Expectation {
+            request_id,
+            transfer_id,
+            source,
+            groups: groups(blocks, first_tokens)?,
+            num_tokens,
+            epoch,
+            ttl: seconds(ttl, "ttl")?,
+            sources,
+        };
+        native(py, || self.0.expect(expectation).map_err(Error::from))
+    }
+
+    /// D: stop awaiting `request_id`; a "cancelled" event follows once P confirmed.
+    fn cancel(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        native(py, || self.0.cancel(request_id).map_err(Error::from))
+    }
+
+    /// Every event since the last call; never blocks.
+    fn poll(&self, py: Python<'_>) -> PyResult<Vec<TransferEvent>> {
+        let polled = self.0.poll();
+        events(py, polled)
+    }
+
+    /// Waits up to `timeout` seconds for at least one event (GIL released).
+    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<Vec<TransferEvent>> {
+        let timeout = seconds(timeout, "timeout")?;
+        let waited = detached(py, || self.0.wait(timeout))?;
+        events(py, waited)
+    }
+
+    /// Transfers waiting in the rendezvous table (P).
+    #[getter]
+    fn pending(&self) -> usize {
+        self.0.pending()
+    }
+
+    /// Seconds since the endpoint started: the clock of event timelines.
+    fn clock(&self) -> f64 {
+        self.0.clock()
+    }
+
+    /// Counters of refused frames, transport errors and stray notifications.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.0.stats();
+        let out = PyDict::new(py);
+        out.set_item("refused_frames", stats.refused_frames)?;
+        out.set_item("transport_errors", stats.transport_errors)?;
+        out.set_item("stray_notifications", stats.stray_notifications)?;
+        Ok(out)
+    }
+
+    /// Stops the writer and the side channel; pending transfers end with "failed". Idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        detached(py, || self.0.close())
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Endpoint(address={:?}, pending={})",
+            self.0.address().to_string(),
+            self.0.pending()
+        )
+    }
+}
