@@ -1,0 +1,272 @@
+"""P and D workers for the transfer tests: paged KV caches in numpy, driven through one
+command interface whether they run in this process (loopback transport) or in their own
+process (NIXL over UCX on loopback)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+import kvpush
+
+HEADS = 2
+HEAD_DIM = 16
+DTYPE = np.float16
+SENTINEL = 0x5A
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """A paged KV cache: ``[layers, K/V, blocks, block_tokens, heads, head_dim]`` (NHD)."""
+
+    layers: int
+    num_blocks: int
+    block_tokens: int
+
+    @property
+    def token_bytes(self) -> int:
+        return HEADS * HEAD_DIM * np.dtype(DTYPE).itemsize
+
+
+@dataclass(frozen=True)
+class Request:
+    """One transfer: P's blocks cover the whole prompt, D's only tokens from ``d_first``."""
+
+    request_id: str
+    tokens: int
+    p_blocks: tuple[int, ...]
+    d_blocks: tuple[int, ...]
+    d_first: int = 0
+    transfer_id: str | None = None
+
+
+class PagedCache:
+    """A numpy paged KV cache and its kvpush layout."""
+
+    def __init__(self, shape: CacheShape, seed: int | None) -> None:
+        self.shape = shape
+        dims = (shape.layers, 2, shape.num_blocks, shape.block_tokens, HEADS, HEAD_DIM)
+        if seed is None:
+            self.array = np.full(dims, 0, dtype=DTYPE)
+            self.array.view(np.uint8)[...] = SENTINEL
+        else:
+            # P's "computed" KV: every byte differs from its neighbours and from the sentinel.
+            raw = np.random.default_rng(seed).integers(0, 256, self.array_bytes(dims), np.uint8)
+            self.array = raw.view(DTYPE).reshape(dims)
+
+    @staticmethod
+    def array_bytes(dims: tuple[int, ...]) -> int:
+        return int(np.prod(dims)) * np.dtype(DTYPE).itemsize
+
+    def layout(self) -> kvpush.KvLayout:
+        block_bytes = self.shape.block_tokens * self.shape.token_bytes
+        regions = [
+            kvpush.Region(
+                self.array[layer, kv].ctypes.data, block_bytes, self.shape.num_blocks
+            )
+            for layer in range(self.shape.layers)
+            for kv in range(2)
+        ]
+        return kvpush.KvLayout(
+            regions,
+            block_tokens=self.shape.block_tokens,
+            heads=HEADS,
+            head_bytes=HEAD_DIM * np.dtype(DTYPE).itemsize,
+        )
+
+    def memory(self) -> list[tuple[int, int]]:
+        return [(self.array.ctypes.data, self.array.nbytes)]
+
+    def token(self, layer: int, kv: int, blocks: tuple[int, ...], first: int, token: int) -> Any:
+        bt = self.shape.block_tokens
+        return self.array[layer, kv, blocks[(token - first) // bt], token % bt]
+
+
+def expected_destination(
+    p_shape: CacheShape, p_seed: int, d_shape: CacheShape, requests: list[Request]
+) -> np.ndarray:
+    """D's whole cache as an independent per-token copy says it must be after ``requests``."""
+    source = PagedCache(p_shape, p_seed)
+    expected = PagedCache(d_shape, None)
+    for r in requests:
+        for layer in range(p_shape.layers):
+            for kv in range(2):
+                for t in range(r.d_first, r.tokens):
+                    expected.token(layer, kv, r.d_blocks, r.d_first, t)[...] = source.token(
+                        layer, kv, r.p_blocks, 0, t
+                    )
+    return expected.array
+
+
+def event_dict(event: kvpush.TransferEvent) -> dict[str, Any]:
+    return {
+        "role": event.role,
+        "request_id": event.request_id,
+        "key": event.key,
+        "outcome": event.outcome,
+        "reason": event.reason,
+        "bytes": event.bytes,
+        "runs": event.runs,
+        "timeline": dict(event.timeline),
+    }
+
+
+@dataclass
+class Worker:
+    """One worker: its cache and its endpoint. Methods are the commands the tests send."""
+
+    role: str
+    shape: CacheShape
+    seed: int | None
+    transport: str
+    secret: bytes | None = None
+    cache: PagedCache = field(init=False)
+    endpoint: kvpush.Endpoint = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cache = PagedCache(self.shape, self.seed)
+        self.endpoint = kvpush.Endpoint(
+            f"{self.role}-engine",
+            self.cache.layout(),
+            memory=self.cache.memory(),
+            transport=self.transport,  # type: ignore[arg-type]
+            agent_name=f"{self.role}-{id(self):x}",
+            secret=self.secret,
+            compatibility="test-model",
+            heartbeat_interval=0.2,
+            peer_timeout=2.0,
+        )
+
+    def address(self) -> str:
+        return self.endpoint.address
+
+    def ready(self, requests: list[Request], ttl: float = 30.0) -> list[str]:
+        """Reports each request's KV ready; returns the errors of refused ones."""
+        errors = []
+        for r in requests:
+            try:
+                self.endpoint.ready(
+                    r.request_id, [list(r.p_blocks)], r.tokens, transfer_id=r.transfer_id, ttl=ttl
+                )
+            except kvpush.exceptions.KvPushError as error:
+                errors.append(f"{error.code}: {error}")
+        return errors
+
+    def expect(
+        self, source: str, requests: list[Request], ttl: float = 30.0, request_suffix: str = ""
+    ) -> None:
+        for r in requests:
+            self.endpoint.expect(
+                r.request_id + request_suffix,
+                source,
+                [list(r.d_blocks)],
+                r.tokens,
+                transfer_id=r.transfer_id,
+                first_tokens=[r.d_first],
+                ttl=ttl,
+            )
+
+    def abort(self, request: Request) -> str:
+        return self.endpoint.abort(request.request_id, request.transfer_id)
+
+    def cancel(self, request_id: str) -> None:
+        self.endpoint.cancel(request_id)
+
+    def events(self, count: int, timeout: float) -> list[dict[str, Any]]:
+        """Waits (bounded) until ``count`` events arrived; returns all that did."""
+        deadline = time.monotonic() + timeout
+        out: list[dict[str, Any]] = []
+        while len(out) < count and time.monotonic() < deadline:
+            out += [event_dict(e) for e in self.endpoint.wait(0.05)]
+        return out
+
+    def verify(self, p_shape: CacheShape, p_seed: int, requests: list[Request]) -> dict[str, int]:
+        """Compares D's whole cache with the per-token copy of ``requests``."""
+        expected = expected_destination(p_shape, p_seed, self.shape, requests)
+        actual = self.cache.array.view(np.uint8)
+        wrong = actual != expected.view(np.uint8)
+        return {"bytes": int(actual.size), "wrong": int(wrong.sum())}
+
+    def stats(self) -> dict[str, int]:
+        return self.endpoint.stats()
+
+    def pending(self) -> int:
+        return self.endpoint.pending
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+def _serve(connection: Connection, kwargs: dict[str, Any], env: dict[str, str]) -> None:
+    """A worker process: runs commands from the pipe until "close"."""
+    import os
+
+    os.environ.update(env)
+    try:
+        worker = Worker(**kwargs)
+        connection.send(("ok", worker.address()))
+    except BaseException:
+        connection.send(("error", traceback.format_exc()))
+        return
+    while True:
+        name, args, kwargs = connection.recv()
+        try:
+            result = getattr(worker, name)(*args, **kwargs)
+            connection.send(("ok", result))
+        except BaseException:
+            connection.send(("error", traceback.format_exc()))
+        if name == "close":
+            return
+
+
+class RemoteWorker:
+    """A :class:`Worker` in its own process (spawned: nothing inherited), same commands."""
+
+    def __init__(self, env: dict[str, str] | None = None, **kwargs: Any) -> None:
+        context = mp.get_context("spawn")
+        self._connection, child = context.Pipe()
+        self._process = context.Process(
+            target=_serve, args=(child, kwargs, env or {}), daemon=True
+        )
+        self._process.start()
+        self._address = self._reply(timeout=60.0)
+
+    def _reply(self, timeout: float = 30.0) -> Any:
+        if not self._connection.poll(timeout):
+            raise TimeoutError("worker process did not answer in time")
+        status, value = self._connection.recv()
+        if status == "error":
+            raise RuntimeError(f"worker process failed:\n{value}")
+        return value
+
+    def address(self) -> str:
+        return str(self._address)
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._connection.send((name, args, kwargs))
+            return self._reply(timeout=60.0)
+
+        return call
+
+    def kill(self) -> None:
+        """Ends the process abruptly, as a crash would."""
+        self._process.kill()
+        self._process.join(timeout=10.0)
+
+    def close(self) -> None:
+        if not self._process.is_alive():
+            return
+        try:
+            self._connection.send(("close", (), {}))
+            self._reply(timeout=15.0)
+        finally:
+            self._process.join(timeout=10.0)
+            if self._process.is_alive():
+                self._process.kill()

@@ -1,0 +1,229 @@
+"""Push transfers end to end: a P worker and a D worker with paged KV caches in numpy.
+
+Each test runs on three data paths: the in-process loopback transport (both workers in this
+process), and NIXL between two processes over UCX on loopback, once with UCX's default
+transports (cma for the WRITE: completes at post) and once with ``UCX_TLS=tcp`` (completes
+asynchronously, so the writer's polling and deferred notifications are exercised). D checks its
+whole cache byte for byte against an independent per-token copy: every token where D expects
+it, and nothing else touched.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import kvpush
+from tests.peers import CacheShape, RemoteWorker, Request, Worker
+
+P_SHAPE = CacheShape(layers=4, num_blocks=256, block_tokens=16)
+D_SHAPE = CacheShape(layers=4, num_blocks=128, block_tokens=32)
+P_SEED = 1234
+UCX_LOOPBACK = {"UCX_NET_DEVICES": "lo"}
+TRANSPORTS = {
+    "loopback": None,
+    "nixl": UCX_LOOPBACK,
+    "nixl-tcp": {**UCX_LOOPBACK, "UCX_TLS": "tcp"},
+}
+
+
+def nixl_or_skip() -> None:
+    try:
+        kvpush.nixl.library_path()
+    except kvpush.exceptions.NixlUnavailableError as error:
+        if os.environ.get("KVPUSH_REQUIRE_NIXL"):
+            raise
+        pytest.skip(f"NIXL is not installed: {error}")
+
+
+class Pair:
+    """A P and a D worker on one transport."""
+
+    def __init__(self, transport: str, p_secret: bytes | None, d_secret: bytes | None) -> None:
+        env = TRANSPORTS[transport]
+        self.transport = transport
+        self.p: Any
+        self.d: Any
+        if env is None:
+            self.p = Worker("p", P_SHAPE, P_SEED, "loopback", p_secret)
+            self.d = Worker("d", D_SHAPE, None, "loopback", d_secret)
+        else:
+            nixl_or_skip()
+            common = {"transport": "nixl", "env": env}
+            self.p = RemoteWorker(role="p", shape=P_SHAPE, seed=P_SEED, secret=p_secret, **common)
+            self.d = RemoteWorker(role="d", shape=D_SHAPE, seed=None, secret=d_secret, **common)
+        self.source = self.p.address()
+
+    def verify(self, delivered: list[Request]) -> None:
+        result = self.d.verify(P_SHAPE, P_SEED, delivered)
+        assert result["wrong"] == 0, f"{result['wrong']} of {result['bytes']} bytes of D are wrong"
+
+    def close(self) -> None:
+        self.d.close()
+        self.p.close()
+
+
+@pytest.fixture(params=list(TRANSPORTS))
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    pair = Pair(request.param, b"shared-secret-of-the-test-pair", b"shared-secret-of-the-test-pair")
+    try:
+        yield pair
+    finally:
+        pair.close()
+
+
+def make_requests(
+    rng: random.Random, count: int, prefix: str, *, cached_blocks: int = 0
+) -> list[Request]:
+    """``count`` requests with scattered, disjoint blocks on both sides."""
+    p_free = rng.sample(range(P_SHAPE.num_blocks), P_SHAPE.num_blocks)
+    d_free = rng.sample(range(D_SHAPE.num_blocks), D_SHAPE.num_blocks)
+    requests = []
+    for i in range(count):
+        d_first = cached_blocks * D_SHAPE.block_tokens
+        tokens = rng.randint(d_first + 1, d_first + 150)
+        p_count = -(-tokens // P_SHAPE.block_tokens)
+        d_count = -(-(tokens - d_first) // D_SHAPE.block_tokens)
+        p_blocks, p_free = tuple(p_free[:p_count]), p_free[p_count:]
+        d_blocks, d_free = tuple(d_free[:d_count]), d_free[d_count:]
+        requests.append(
+            Request(f"cmpl-{prefix}{i}-0", tokens, p_blocks, d_blocks, d_first, f"xfer-{prefix}{i}")
+        )
+    return requests
+
+
+def by_request(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {e["request_id"]: e for e in events}
+
+
+def test_both_arrival_orders_deliver_every_byte(pair: Pair) -> None:
+    rng = random.Random(1)
+    reg_first, kv_first = make_requests(rng, 4, "r")[:2], make_requests(rng, 4, "k")[2:]
+    pair.d.expect(pair.source, reg_first)
+    time.sleep(0.2)  # the registrations reach P's table before the KV is ready
+    assert pair.p.ready(reg_first + kv_first) == []
+    time.sleep(0.2)  # the KV is ready before D registers
+    pair.d.expect(pair.source, kv_first)
+
+    received = by_request(pair.d.events(4, timeout=20.0))
+    sent = by_request(pair.p.events(4, timeout=20.0))
+    for r in reg_first + kv_first:
+        assert received[r.request_id]["outcome"] == "done", received[r.request_id]
+        assert sent[r.request_id]["outcome"] == "done", sent[r.request_id]
+        assert sent[r.request_id]["bytes"] == 2 * P_SHAPE.layers * r.tokens * P_SHAPE.token_bytes
+        assert received[r.request_id]["bytes"] == sent[r.request_id]["bytes"]
+        timeline = sent[r.request_id]["timeline"]
+        assert timeline["matched"] <= timeline["posted"] <= timeline["completed"]
+    pair.verify(reg_first + kv_first)
+
+
+def test_many_concurrent_fragmented_requests(pair: Pair) -> None:
+    rng = random.Random(2)
+    requests = make_requests(rng, 24, "c")
+    halves = [("d", r) for r in requests] + [("p", r) for r in requests]
+    rng.shuffle(halves)
+    for side, r in halves:
+        if side == "d":
+            pair.d.expect(pair.source, [r])
+        else:
+            assert pair.p.ready([r]) == []
+    received = by_request(pair.d.events(len(requests), timeout=30.0))
+    assert sorted(received) == sorted(r.request_id for r in requests)
+    assert {e["outcome"] for e in received.values()} == {"done"}
+    pair.verify(requests)
+
+
+def test_prefix_hit_on_d_writes_only_the_uncached_suffix(pair: Pair) -> None:
+    requests = make_requests(random.Random(3), 6, "x", cached_blocks=1)
+    assert pair.p.ready(requests) == []
+    pair.d.expect(pair.source, requests)
+    received = pair.d.events(len(requests), timeout=20.0)
+    assert [e["outcome"] for e in received] == ["done"] * len(requests)
+    pair.verify(requests)
+
+
+def test_p_abort_fails_d_at_once_and_writes_nothing(pair: Pair) -> None:
+    (request,) = make_requests(random.Random(4), 1, "a")
+    pair.d.expect(pair.source, [request])
+    deadline = time.monotonic() + 10.0
+    while pair.p.pending() == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pair.p.abort(request) == "released"
+    (event,) = pair.d.events(1, timeout=5.0)
+    assert event["outcome"] == "failed"
+    assert "aborted" in event["reason"]
+    assert pair.p.ready([request])[0].startswith("fenced")
+    pair.verify([])
+
+
+def test_d_cancel_is_confirmed_before_d_reuses_the_blocks(pair: Pair) -> None:
+    (request,) = make_requests(random.Random(5), 1, "n")
+    pair.d.expect(pair.source, [request])
+    time.sleep(0.2)
+    pair.d.cancel(request.request_id)
+    (event,) = pair.d.events(1, timeout=5.0)
+    assert event["outcome"] == "cancelled"
+    refused = pair.p.ready([request])
+    assert refused, "P's late KV must be refused: D cancelled the transfer"
+    assert "cancelled" in refused[0]
+    pair.verify([])
+
+
+def test_registration_naming_blocks_d_does_not_have_is_refused(pair: Pair) -> None:
+    (good,) = make_requests(random.Random(6), 1, "b")
+    beyond = tuple(10_000 + i for i in range(len(good.d_blocks)))
+    bad = Request(good.request_id, good.tokens, good.p_blocks, beyond, transfer_id=good.transfer_id)
+    assert pair.p.ready([bad]) == []
+    pair.d.expect(pair.source, [bad])
+    (received,) = pair.d.events(1, timeout=10.0)
+    assert received["outcome"] == "failed"
+    assert "names block 10000" in received["reason"]
+    (sent,) = pair.p.events(1, timeout=10.0)
+    assert sent["outcome"] == "failed"
+    pair.verify([])
+
+
+def test_d_deadline_cancels_with_p_and_reports_failure(pair: Pair) -> None:
+    (request,) = make_requests(random.Random(7), 1, "t")
+    pair.d.expect(pair.source, [request], 0.3)
+    (event,) = pair.d.events(1, timeout=10.0)
+    assert event["outcome"] == "failed"
+    # Either side may notice the deadline first: D (and cancels with P) or P (and fails D).
+    assert "no KV" in event["reason"] or "not ready in time" in event["reason"], event
+    assert pair.p.ready([request]), "P's KV after D gave up must be refused"
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_peer_with_another_secret_is_refused(transport: str) -> None:
+    pair = Pair(transport, b"prefill-secret-0123456789", b"decode-secret-9876543210")
+    try:
+        (request,) = make_requests(random.Random(8), 1, "s")
+        pair.d.expect(pair.source, [request])
+        (event,) = pair.d.events(1, timeout=10.0)
+        assert event["outcome"] == "failed"
+        assert "cannot reach P" in event["reason"]
+        pair.verify([])
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("transport", ["nixl", "nixl-tcp"])
+def test_p_process_death_fails_d_within_the_peer_timeout(transport: str) -> None:
+    pair = Pair(transport, None, None)
+    try:
+        (request,) = make_requests(random.Random(9), 1, "k")
+        pair.d.expect(pair.source, [request])
+        time.sleep(0.3)
+        pair.p.kill()
+        started = time.monotonic()
+        (event,) = pair.d.events(1, timeout=10.0)
+        assert event["outcome"] == "failed"
+        assert "lost P" in event["reason"]
+        assert time.monotonic() - started < 5.0
+    finally:
+        pair.close()
