@@ -91,6 +91,7 @@ fn message() -> impl Strategy<Value = Message> {
                     layout,
                     compatibility,
                     versions,
+                    memory: kvpush_core::transport::MemorySpace::DRAM,
                 })
             },
         );

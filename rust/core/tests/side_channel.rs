@@ -151,6 +151,7 @@ fn hello(engine_id: &str) -> Hello {
         },
         compatibility: "qwen3-0.6b/bf16/flash".into(),
         versions: vec![1],
+        memory: kvpush_core::transport::MemorySpace::DRAM,
     }
 }
 

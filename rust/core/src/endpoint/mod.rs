@@ -242,6 +242,7 @@ impl Endpoint {
             layout: config.layout.clone(),
             compatibility: config.compatibility.clone(),
             versions: vec![PROTOCOL_VERSION],
+            memory: config.memory,
         };
         let (inbox, commands) = mpsc::channel();
         let (event_sink, events) = mpsc::channel();

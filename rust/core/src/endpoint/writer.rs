@@ -99,6 +99,8 @@ struct Peer {
     agent: Result<String, String>,
     /// P: how to write into this peer (D), or why it cannot be written to.
     planner: Result<Planner, String>,
+    /// Where the peer's KV cache lives.
+    memory: MemorySpace,
 }
 
 /// P: a posted WRITE.
@@ -293,7 +295,8 @@ impl<T: Transport> Writer<T> {
         let agent = self.transport.add_peer(&info.hello.agent_metadata).map_err(|e| e.to_string());
         let planner = Planner::new(self.layout.clone(), info.hello.layout.clone())
             .map_err(|e| format!("cannot write into {}: {e}", info.hello.engine_id));
-        self.peers.insert(info.id, Peer { agent, planner });
+        let memory = info.hello.memory;
+        self.peers.insert(info.id, Peer { agent, planner, memory });
     }
 
     fn report_send(
@@ -414,7 +417,7 @@ impl<T: Transport> Writer<T> {
             runs,
         });
         let notification = self.notifications.encode(&done, unix_millis());
-        let remote = MemorySpace { kind: self.memory.kind, device: 0 };
+        let remote = peer.memory;
         let write = self
             .transport
             .post_write(agent, &plan.runs, self.memory, remote, &notification)

@@ -452,6 +452,7 @@ mod tests {
                 layout,
                 compatibility: "sha256:abcd".into(),
                 versions: vec![1],
+                memory: crate::transport::MemorySpace::DRAM,
             }),
             Message::Register(register(vec![3, 1, 4, 1 << 31])),
             Message::Done(done()),

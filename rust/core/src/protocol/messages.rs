@@ -10,6 +10,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::error::ProtocolError;
 use super::Limits;
 use crate::layout::KvLayout;
+use crate::transport::MemorySpace;
 
 /// Deepest msgpack nesting a body may have. The deepest v1 message (`hello.layout.regions[i]`)
 /// needs 4 levels; the cap keeps a hostile body of nested arrays inside an ignored field from
@@ -50,6 +51,14 @@ pub struct Hello {
     /// Side-channel protocol versions the sender speaks; the connection uses the highest one
     /// both list.
     pub versions: Vec<u16>,
+    /// Where the sender's KV cache lives (DRAM, or VRAM of which GPU): the memory space P's
+    /// WRITE targets. Absent from older peers' Hellos, which then mean DRAM.
+    #[serde(default = "dram")]
+    pub memory: MemorySpace,
+}
+
+fn dram() -> MemorySpace {
+    MemorySpace::DRAM
 }
 
 /// One KV cache group's destination blocks in a [`Register`].

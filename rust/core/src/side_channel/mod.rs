@@ -22,6 +22,7 @@
 //! use kvpush_core::layout::{KvLayout, TokenOrder};
 //! use kvpush_core::protocol::{Cancel, Hello, Message};
 //! use kvpush_core::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig};
+//! use kvpush_core::transport::MemorySpace;
 //!
 //! struct Log;
 //! impl ControlHandler for Log {
@@ -48,6 +49,7 @@
 //!     },
 //!     compatibility: "model-x/bf16".into(),
 //!     versions: vec![1],
+//!     memory: MemorySpace::DRAM,
 //! };
 //! let local = "127.0.0.1:0".parse()?;
 //! let prefill = SideChannel::start(SideChannelConfig::new(local, "prefill-0"), hello("prefill-0"), Arc::new(Log))?;
