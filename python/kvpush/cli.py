@@ -18,6 +18,27 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _bench_transfer(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvpush.bench import transfer
+
+    config = transfer.BenchConfig(
+        gib=args.gib, block_kib=args.block_kib, repeats=args.repeats, ucx_tls=args.ucx_tls
+    )
+    try:
+        result = transfer.run(config, progress=lambda line: print(line, flush=True))
+    except transfer.BenchError as error:
+        print(f"kvpush bench transfer: {error}", file=sys.stderr)
+        return 1
+    print()
+    print(transfer.report(result))
+    if args.markdown:
+        transfer.update_markdown(Path(args.markdown), result, args.markdown)
+        print(f"\nwrote the Data path section of {args.markdown}")
+    return 0
+
+
 def _version(_args: argparse.Namespace) -> int:
     print(f"kvpush {kvpush.__version__} (protocol kvpush/{kvpush.PROTOCOL_VERSION})")
     return 0
@@ -44,6 +65,42 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--no-secret", action="store_true", help="send unsigned control messages")
     demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks (print tables and ratios; assert nothing)",
+        description="Benchmarks of kvpush against the baselines it replaces.",
+    )
+    benches = bench.add_subparsers(dest="bench", required=True)
+    transfer = benches.add_parser(
+        "transfer",
+        help="kvpush's data path against a plain NIXL WRITE driven from Python",
+        description=(
+            "Moves one request's whole KV cache from P to D (two processes, NIXL over UCX on "
+            "loopback) with kvpush's native writer and with plain NIXL WRITEs driven from "
+            "Python, for contiguous and fragmented block orders, in the same run; prints "
+            "throughput, per-request control time and their ratios."
+        ),
+    )
+    transfer.add_argument(
+        "--gib", type=float, default=1.0, help="KV bytes per request, in GiB (default 1.0)"
+    )
+    transfer.add_argument(
+        "--block-kib", type=int, default=16, help="bytes per block and region, in KiB (default 16)"
+    )
+    transfer.add_argument(
+        "--repeats", type=int, default=3, help="measured repeats per path (default 3)"
+    )
+    transfer.add_argument(
+        "--ucx-tls",
+        choices=["default", "tcp"],
+        default="default",
+        help="UCX transports: UCX's default (cma on one host) or UCX_TLS=tcp (default: default)",
+    )
+    transfer.add_argument(
+        "--markdown", metavar="PATH", help="also write the results into PATH's Data path section"
+    )
+    transfer.set_defaults(run=_bench_transfer)
 
     version = commands.add_parser("version", help="print the kvpush and protocol versions")
     version.set_defaults(run=_version)
