@@ -67,9 +67,7 @@ class PagedCache:
     def layout(self) -> kvpush.KvLayout:
         block_bytes = self.shape.block_tokens * self.shape.token_bytes
         regions = [
-            kvpush.Region(
-                self.array[layer, kv].ctypes.data, block_bytes, self.shape.num_blocks
-            )
+            kvpush.Region(self.array[layer, kv].ctypes.data, block_bytes, self.shape.num_blocks)
             for layer in range(self.shape.layers)
             for kv in range(2)
         ]
@@ -231,9 +229,7 @@ class RemoteWorker:
     def __init__(self, env: dict[str, str] | None = None, **kwargs: Any) -> None:
         context = mp.get_context("spawn")
         self._connection, child = context.Pipe()
-        self._process = context.Process(
-            target=_serve, args=(child, kwargs, env or {}), daemon=True
-        )
+        self._process = context.Process(target=_serve, args=(child, kwargs, env or {}), daemon=True)
         self._process.start()
         self._address = self._reply(timeout=60.0)
 

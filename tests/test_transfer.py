@@ -54,9 +54,12 @@ class Pair:
             self.d = Worker("d", D_SHAPE, None, "loopback", d_secret)
         else:
             nixl_or_skip()
-            common = {"transport": "nixl", "env": env}
-            self.p = RemoteWorker(role="p", shape=P_SHAPE, seed=P_SEED, secret=p_secret, **common)
-            self.d = RemoteWorker(role="d", shape=D_SHAPE, seed=None, secret=d_secret, **common)
+            self.p = RemoteWorker(
+                env, role="p", shape=P_SHAPE, seed=P_SEED, transport="nixl", secret=p_secret
+            )
+            self.d = RemoteWorker(
+                env, role="d", shape=D_SHAPE, seed=None, transport="nixl", secret=d_secret
+            )
         self.source = self.p.address()
 
     def verify(self, delivered: list[Request]) -> None:
@@ -97,6 +100,14 @@ def make_requests(
     return requests
 
 
+def wait_until_registered(pair: Pair, count: int = 1) -> None:
+    """Until ``count`` of D's registrations sit in P's rendezvous table (bounded)."""
+    deadline = time.monotonic() + 10.0
+    while pair.p.pending() < count:
+        assert time.monotonic() < deadline, "D's registration never reached P"
+        time.sleep(0.02)
+
+
 def by_request(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {e["request_id"]: e for e in events}
 
@@ -105,9 +116,8 @@ def test_both_arrival_orders_deliver_every_byte(pair: Pair) -> None:
     rng = random.Random(1)
     reg_first, kv_first = make_requests(rng, 4, "r")[:2], make_requests(rng, 4, "k")[2:]
     pair.d.expect(pair.source, reg_first)
-    time.sleep(0.2)  # the registrations reach P's table before the KV is ready
-    assert pair.p.ready(reg_first + kv_first) == []
-    time.sleep(0.2)  # the KV is ready before D registers
+    wait_until_registered(pair, len(reg_first))  # D's halves are in P's table first
+    assert pair.p.ready(reg_first + kv_first) == []  # then P's; kv_first's wait for D
     pair.d.expect(pair.source, kv_first)
 
     received = by_request(pair.d.events(4, timeout=20.0))
@@ -150,9 +160,7 @@ def test_prefix_hit_on_d_writes_only_the_uncached_suffix(pair: Pair) -> None:
 def test_p_abort_fails_d_at_once_and_writes_nothing(pair: Pair) -> None:
     (request,) = make_requests(random.Random(4), 1, "a")
     pair.d.expect(pair.source, [request])
-    deadline = time.monotonic() + 10.0
-    while pair.p.pending() == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until_registered(pair)
     assert pair.p.abort(request) == "released"
     (event,) = pair.d.events(1, timeout=5.0)
     assert event["outcome"] == "failed"
@@ -164,7 +172,7 @@ def test_p_abort_fails_d_at_once_and_writes_nothing(pair: Pair) -> None:
 def test_d_cancel_is_confirmed_before_d_reuses_the_blocks(pair: Pair) -> None:
     (request,) = make_requests(random.Random(5), 1, "n")
     pair.d.expect(pair.source, [request])
-    time.sleep(0.2)
+    wait_until_registered(pair)
     pair.d.cancel(request.request_id)
     (event,) = pair.d.events(1, timeout=5.0)
     assert event["outcome"] == "cancelled"
@@ -218,7 +226,7 @@ def test_p_process_death_fails_d_within_the_peer_timeout(transport: str) -> None
     try:
         (request,) = make_requests(random.Random(9), 1, "k")
         pair.d.expect(pair.source, [request])
-        time.sleep(0.3)
+        wait_until_registered(pair)
         pair.p.kill()
         started = time.monotonic()
         (event,) = pair.d.events(1, timeout=10.0)

@@ -13,6 +13,7 @@ The public API is re-exported here from the native core (``kvpush._native``, pri
 Importing kvpush never imports vLLM.
 """
 
+from kvpush import exceptions, nixl
 from kvpush._native import (
     PROTOCOL_VERSION,
     Arrival,
@@ -33,7 +34,6 @@ from kvpush._native import (
     frame_length,
     transfer_key,
 )
-from kvpush import exceptions, nixl
 
 __all__ = [
     "PROTOCOL_VERSION",
