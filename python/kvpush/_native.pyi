@@ -224,7 +224,8 @@ class Endpoint:
 
     ``memory`` lists ``(address, length)`` of the KV cache buffers; they must stay allocated
     until :meth:`close`. With ``transport="nixl"`` the library is found by
-    :func:`kvpush.nixl.library_path` unless ``nixl_library`` names it.
+    :func:`kvpush.nixl.library_path` unless ``nixl_library`` names it; the native writer thread
+    drives NIXL's progress itself unless ``nixl_progress_thread`` asks for NIXL's own thread.
     """
 
     def __init__(
@@ -236,6 +237,7 @@ class Endpoint:
         transport: Literal["nixl", "loopback"] = "nixl",
         agent_name: str | None = None,
         nixl_library: str | None = None,
+        nixl_progress_thread: bool = False,
         device: int | None = None,
         bind: str = "127.0.0.1:0",
         secret: builtins.bytes | None = None,

@@ -9,7 +9,7 @@ use kvpush_core::endpoint::{
 use kvpush_core::loopback::LoopbackTransport;
 use kvpush_core::protocol::BlockGroup;
 use kvpush_core::transport::{MemoryRegion, MemorySpace, Transport};
-use kvpush_nixl::{AgentConfig, Library, NixlTransport};
+use kvpush_nixl::{AgentConfig, Library, NixlTransport, Progress};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -154,7 +154,8 @@ impl Endpoint {
     #[new]
     #[pyo3(signature = (
         engine_id, layout, *, memory, transport = "nixl", agent_name = None, nixl_library = None,
-        device = None, bind = "127.0.0.1:0", secret = None, compatibility = "",
+        nixl_progress_thread = false, device = None, bind = "127.0.0.1:0", secret = None,
+        compatibility = "",
         write_timeout = 30.0, heartbeat_interval = 1.0, peer_timeout = 5.0, connect_timeout = 3.0
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -166,6 +167,7 @@ impl Endpoint {
         transport: &str,
         agent_name: Option<String>,
         nixl_library: Option<String>,
+        nixl_progress_thread: bool,
         device: Option<u32>,
         bind: &str,
         secret: Option<Vec<u8>>,
@@ -204,10 +206,20 @@ impl Endpoint {
                     Some(path) => path,
                     None => py.import("kvpush.nixl")?.call_method0("library_path")?.extract()?,
                 };
+                // By default the writer thread is the agent's only progress engine: it polls every
+                // 200 µs while anything is in flight or awaited. NIXL's own progress thread would
+                // contend with it for UCX's worker lock (measured: P's writer spent most of a 1 GiB
+                // WRITE waiting on that lock; see docs/benchmarks.md).
+                let progress = if nixl_progress_thread {
+                    Progress::Thread { interval_us: kvpush_nixl::MIN_PROGRESS_INTERVAL_US }
+                } else {
+                    Progress::Caller
+                };
+                let agent = AgentConfig { progress, ..AgentConfig::default() };
                 native(py, || {
                     let library = Library::load(&path).map_err(Error::from)?;
-                    let transport = NixlTransport::new(&library, &name, &AgentConfig::default())
-                        .map_err(Error::from)?;
+                    let transport =
+                        NixlTransport::new(&library, &name, &agent).map_err(Error::from)?;
                     start(transport, &memory, space, config)
                 })?
             }
