@@ -1,0 +1,264 @@
+"""A tiny random-weight Qwen3 model with a locally trained tokenizer, for end-to-end tests.
+
+Nothing can be downloaded from a model hub on the machines kvpush is tested on, so the tests
+make their own model: a Hugging Face Qwen3 config with random weights saved with
+``save_pretrained``, and a byte-level BPE tokenizer trained with ``tokenizers`` on generated
+text, saved as a ``PreTrainedTokenizerFast`` with a ChatML chat template. vLLM serves the
+directory like any other checkpoint.
+
+The weights use ``initializer_range=0.1`` rather than Hugging Face's 0.02: with 0.02 a random
+tiny model largely ignores its context, so its greedy output barely depends on the KV cache
+and a broken transfer could still produce the expected tokens.
+
+``transformers``, ``tokenizers`` and ``torch`` are imported when a model is made, never when
+kvpush is imported: kvpush itself does not depend on them (``scripts/setup-vllm`` installs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import random
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+
+MANIFEST = "kvpush-tiny-model.json"
+# Bumped whenever the files this module writes change for the same parameters.
+GENERATOR_VERSION = 1
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+MAX_POSITIONS = 32768
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Everything that determines the generated files; stored as the directory's manifest."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    bpe_vocab: int
+    seed: int
+    initializer_range: float
+    train_text_sha256: str
+    generator_version: int = GENERATOR_VERSION
+
+
+def generated_text(seed: int = 0, words: int = 60_000) -> str:
+    """Deterministic pseudo-English (syllable words, numbers, punctuation) to train BPE on."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
+    lexicon = [
+        "".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)
+    ]
+    # Zipf-like weights, so that frequent words become single tokens and rare ones split.
+    weights = [1.0 / (rank + 1) for rank in range(len(lexicon))]
+    out: list[str] = []
+    sentence: list[str] = []
+    for word in rng.choices(lexicon, weights, k=words):
+        roll = rng.random()
+        if roll < 0.03:
+            word = str(rng.randint(0, 99_999))
+        elif roll < 0.10:
+            word = word.capitalize()
+        sentence.append(word)
+        if len(sentence) >= rng.randint(6, 18):
+            out.append(" ".join(sentence) + rng.choice("..!?;,"))
+            sentence = []
+            if rng.random() < 0.15:
+                out.append("\n")
+    return " ".join(out)
+
+
+def make_tiny_model(
+    path: str | Path,
+    *,
+    layers: int = 2,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate: int | None = None,
+    bpe_vocab: int = 2048,
+    vocab_train_text: str | None = None,
+    seed: int = 0,
+    initializer_range: float = 0.1,
+) -> Path:
+    """Make (or reuse) a random-weight Qwen3 checkpoint with its tokenizer at ``path``.
+
+    ``vocab_train_text`` is the BPE training corpus; by default :func:`generated_text` of
+    ``seed``. ``bpe_vocab`` is the BPE trainer's target; the model's vocabulary is the trained
+    tokenizer's ``len()``. A directory whose manifest matches these parameters is returned as
+    it is; one made by this function with other parameters is replaced; any other non-empty
+    directory is refused (:class:`FileExistsError`).
+    """
+    text = generated_text(seed) if vocab_train_text is None else vocab_train_text
+    spec = TinyModelSpec(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=intermediate if intermediate is not None else 2 * hidden,
+        bpe_vocab=bpe_vocab,
+        seed=seed,
+        initializer_range=initializer_range,
+        train_text_sha256=hashlib.sha256(text.encode()).hexdigest(),
+    )
+    if heads % kv_heads != 0:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    target = Path(path)
+    manifest = target / MANIFEST
+    if manifest.is_file():
+        if _read_manifest(manifest) == asdict(spec) and _complete(target):
+            return target
+    elif target.exists() and any(target.iterdir()):
+        raise FileExistsError(
+            f"{target} is not empty and has no {MANIFEST}: not a tiny model made by kvpush; "
+            "pass an empty or missing directory"
+        )
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so an interrupted run never leaves a half model.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _write_model(staging, spec, text)
+        staging.chmod(0o755)  # mkdtemp makes it private; a model directory is not
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return target
+
+
+def _read_manifest(manifest: Path) -> object:
+    try:
+        return json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _complete(directory: Path) -> bool:
+    needed = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    return all((directory / name).is_file() for name in needed)
+
+
+def _require(module: str) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(
+            f"making a tiny model needs {module!r} (with transformers, tokenizers and torch); "
+            "install the vLLM stack with scripts/setup-vllm VENV"
+        ) from exc
+
+
+def _write_model(directory: Path, spec: TinyModelSpec, text: str) -> None:
+    tokenizers = _require("tokenizers")
+    transformers = _require("transformers")
+    torch = _require("torch")
+
+    byte_level = tokenizers.pre_tokenizers.ByteLevel
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = byte_level(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    bpe.post_processor = tokenizers.processors.ByteLevel(trim_offsets=False)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=spec.bpe_vocab,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=byte_level.alphabet(),
+        show_progress=False,
+    )
+    lines = text.splitlines(keepends=True)
+    bpe.train_from_iterator(lines, trainer=trainer)
+
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START],
+        model_max_length=MAX_POSITIONS,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+
+    config = transformers.Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=spec.initializer_range,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = transformers.Qwen3ForCausalLM(config)
+    model.save_pretrained(directory, safe_serialization=True)
+    (directory / MANIFEST).write_text(json.dumps(asdict(spec), indent=2) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvpush model make PATH`` (or ``python -m kvpush.model PATH``): make a tiny model."""
+    parser = argparse.ArgumentParser(
+        prog="kvpush model make",
+        description="Make (or reuse) a random-weight Qwen3 model and its tokenizer in PATH.",
+    )
+    parser.add_argument("path", type=Path, metavar="PATH")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--bpe-vocab", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--initializer-range", type=float, default=0.1)
+    args = parser.parse_args(argv)
+    try:
+        path = make_tiny_model(
+            args.path,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            bpe_vocab=args.bpe_vocab,
+            seed=args.seed,
+            initializer_range=args.initializer_range,
+        )
+    except (FileExistsError, ImportError, ValueError) as exc:
+        print(f"kvpush model make: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
