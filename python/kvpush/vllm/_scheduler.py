@@ -1,0 +1,184 @@
+"""The connector's scheduler-side bookkeeping, in plain Python (no vLLM import).
+
+The scheduler decides, per request, what the workers must do; the workers' native endpoints do
+it. What crosses from the scheduler to the workers each step is a :class:`PushMetadata`:
+
+* P: ``sends``: a finished prefill whose KV may be written to D (the blocks stay allocated
+  until the workers report the send finished); ``aborts``: a prefill that ended without KV to
+  send (D is told at once).
+* D: ``recvs``: blocks allocated for a remote prefill, to register with P; ``cancels``: a
+  request aborted while waiting for its KV.
+
+kv_transfer_params are vLLM's push-proxy contract (``do_remote_prefill``, ``do_remote_decode``,
+``remote_engine_id``, ``remote_host``, ``remote_port``, ``tp_size``, ``pp_size``,
+``remote_request_id``, ``transfer_id``), so an unchanged push router drives kvpush.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+REQUIRED_D_PARAMS = ("remote_host", "remote_port")
+
+
+@dataclass(frozen=True)
+class SendRequest:
+    """P: the KV of ``request_id`` is computed in ``blocks`` (per KV group)."""
+
+    request_id: str
+    transfer_id: str | None
+    blocks: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class RecvRequest:
+    """D: register ``blocks`` (the uncached suffix from ``first_token``) with P."""
+
+    request_id: str
+    transfer_id: str | None
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+    blocks: tuple[tuple[int, ...], ...]
+    first_token: int
+    num_tokens: int
+
+
+@dataclass
+class PushMetadata:
+    """One step's instructions from the scheduler to every worker."""
+
+    sends: list[SendRequest] = field(default_factory=list)
+    aborts: list[tuple[str, str | None]] = field(default_factory=list)
+    recvs: list[RecvRequest] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.sends or self.aborts or self.recvs or self.cancels)
+
+
+class ParamsError(ValueError):
+    """kv_transfer_params from the router are missing or malformed."""
+
+
+def _transfer_id(params: Mapping[str, Any]) -> str | None:
+    value = params.get("transfer_id")
+    return str(value) if value else None
+
+
+class PushScheduler:
+    """Per-request decisions of the scheduler role (P and D alike: a ``kv_both`` engine is
+    both)."""
+
+    def __init__(self) -> None:
+        self._pending = PushMetadata()
+        self._sending: set[str] = set()
+        self._receiving: set[str] = set()
+
+    # ---- D --------------------------------------------------------------------------------
+
+    @staticmethod
+    def external_tokens(
+        params: Mapping[str, Any] | None, prompt_tokens: int, num_computed: int
+    ) -> tuple[int, bool]:
+        """How many prompt tokens P will write (loaded asynchronously), after D's local hit."""
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        count = prompt_tokens - num_computed
+        return (count, True) if count > 0 else (0, False)
+
+    def allocated(
+        self,
+        request_id: str,
+        params: dict[str, Any] | None,
+        uncached_blocks: Sequence[Sequence[int]],
+        num_computed: int,
+        prompt_tokens: int,
+        num_external: int,
+    ) -> None:
+        """D's blocks for a remote prefill are allocated: register them with P next step.
+
+        ``params["do_remote_prefill"]`` is cleared so a re-entry (preemption) never registers
+        twice with the same epoch.
+        """
+        if not params or not params.get("do_remote_prefill") or num_external <= 0:
+            return
+        missing = [key for key in REQUIRED_D_PARAMS if params.get(key) in (None, "")]
+        if missing:
+            raise ParamsError(
+                f"request {request_id}: kv_transfer_params lack {', '.join(missing)}; the router "
+                "must send P's side channel host and port with do_remote_prefill"
+            )
+        try:
+            port = int(params["remote_port"])
+            tp_size = int(params.get("tp_size") or 1)
+        except (TypeError, ValueError) as error:
+            raise ParamsError(f"request {request_id}: bad kv_transfer_params: {error}") from None
+        params["do_remote_prefill"] = False
+        self._receiving.add(request_id)
+        self._pending.recvs.append(
+            RecvRequest(
+                request_id=request_id,
+                transfer_id=_transfer_id(params),
+                remote_host=str(params["remote_host"]),
+                remote_port=port,
+                remote_tp_size=tp_size,
+                blocks=tuple(tuple(group) for group in uncached_blocks),
+                first_token=num_computed,
+                num_tokens=prompt_tokens,
+            )
+        )
+
+    # ---- P, and D's aborts ----------------------------------------------------------------
+
+    def finished(
+        self,
+        request_id: str,
+        params: dict[str, Any] | None,
+        finished_normally: bool,
+        blocks: Sequence[Sequence[int]],
+        prompt_tokens: int,
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """A request finished; returns vLLM's ``(delay_free_blocks, kv_transfer_params)``."""
+        if not params:
+            return False, None
+        if request_id in self._receiving:
+            # D: aborted while waiting for its KV. The scheduler keeps the blocks until the
+            # workers report the receive finished, which they do once P confirmed the cancel.
+            self._pending.cancels.append(request_id)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        transfer_id = _transfer_id(params)
+        if not finished_normally or not any(blocks):
+            self._pending.aborts.append((request_id, transfer_id))
+            return False, None
+        self._sending.add(request_id)
+        self._pending.sends.append(
+            SendRequest(
+                request_id=request_id,
+                transfer_id=transfer_id,
+                blocks=tuple(tuple(group) for group in blocks),
+                num_tokens=prompt_tokens,
+            )
+        )
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push"}
+
+    # ---- every step -----------------------------------------------------------------------
+
+    def take_metadata(self) -> PushMetadata:
+        """This step's instructions; the next step starts empty."""
+        metadata, self._pending = self._pending, PushMetadata()
+        return metadata
+
+    def transfers_finished(self, sending: set[str], recving: set[str]) -> None:
+        """The workers reported these sends and receives over."""
+        self._sending -= sending
+        self._receiving -= recving
+
+    def has_pending_work(self) -> bool:
+        """True while sends are unfinished: the engine must keep stepping to report them."""
+        return bool(self._sending or self._pending)

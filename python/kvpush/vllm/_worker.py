@@ -1,0 +1,165 @@
+"""The connector's worker side, in plain Python (no vLLM import): one native endpoint per worker
+process, fed by the scheduler's metadata, reporting finished transfers back."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import kvpush
+from kvpush.exceptions import KvPushError
+from kvpush.vllm._layout import Model, TensorView, layout_from_caches
+from kvpush.vllm._scheduler import PushMetadata, RecvRequest
+
+logger = logging.getLogger("kvpush.vllm")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker's endpoint needs that is not in the KV tensors."""
+
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: int
+    secret: bytes | None
+    ttl: float
+    receive_timeout: float
+    transport: str
+    model_fingerprint: str
+
+
+def compatibility(model_fingerprint: str, layout: kvpush.KvLayout) -> str:
+    """What P and D must agree on: the model's KV geometry, not block sizes or TP ranks
+    (kvpush translates between those)."""
+    total_heads = layout.heads * layout.tp_size
+    digest = hashlib.sha256(
+        f"{model_fingerprint}|{len(layout.regions) // layout.tp_size}|{total_heads}|"
+        f"{layout.head_bytes}|{layout.token_order}|kvpush/{kvpush.PROTOCOL_VERSION}".encode()
+    )
+    return digest.hexdigest()[:32]
+
+
+class PushWorker:
+    """One worker's endpoint and the requests it tracks for vLLM."""
+
+    def __init__(self, config: WorkerConfig, model: Model) -> None:
+        self._config = config
+        self._model = model
+        self._endpoint: kvpush.Endpoint | None = None
+        self._recv_blocks: dict[str, set[int]] = {}
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    @property
+    def endpoint(self) -> kvpush.Endpoint:
+        if self._endpoint is None:
+            raise KvPushError("the connector's KV caches are not registered yet")
+        return self._endpoint
+
+    def register(self, views: Sequence[TensorView]) -> None:
+        """Starts the endpoint over the KV cache tensors (one per layer, in layer order)."""
+        layout = layout_from_caches(views, self._model)
+        spans = sorted({(v.data_ptr, v.nbytes) for v in views})
+        port = self._config.side_channel_port + self._model.tp_rank
+        self._endpoint = kvpush.Endpoint(
+            self._config.engine_id,
+            layout,
+            memory=spans,
+            transport=self._config.transport,  # type: ignore[arg-type]
+            agent_name=f"{self._config.engine_id}-tp{self._model.tp_rank}",
+            bind=f"{self._config.side_channel_host}:{port}",
+            secret=self._config.secret,
+            compatibility=compatibility(self._config.model_fingerprint, layout),
+        )
+        logger.info(
+            "kvpush endpoint %s listening on %s (%d regions, %d-token blocks)",
+            self._config.engine_id,
+            self._endpoint.address,
+            len(layout.regions),
+            layout.block_tokens,
+        )
+
+    def apply(self, metadata: PushMetadata) -> None:
+        """Acts on one step's instructions. Never raises for one request's trouble: a refused
+        request is reported finished (and failed) so vLLM frees or recomputes it."""
+        endpoint = self.endpoint
+        for send in metadata.sends:
+            try:
+                endpoint.ready(
+                    send.request_id,
+                    [list(group) for group in send.blocks],
+                    send.num_tokens,
+                    transfer_id=send.transfer_id,
+                    ttl=self._config.ttl,
+                )
+            except KvPushError as error:
+                # D cancelled or gave up first: nothing will be written, free the blocks now.
+                logger.info("kvpush: request %s not sent: %s", send.request_id, error)
+                self._finished_sending.add(send.request_id)
+        for request_id, transfer_id in metadata.aborts:
+            endpoint.abort(request_id, transfer_id)
+        for recv in metadata.recvs:
+            self._expect(endpoint, recv)
+        for request_id in metadata.cancels:
+            endpoint.cancel(request_id)
+
+    def _expect(self, endpoint: kvpush.Endpoint, recv: RecvRequest) -> None:
+        rank = self._model.tp_rank
+        if recv.remote_tp_size != self._model.tp_size:
+            self._fail_recv(
+                recv.request_id,
+                [b for g in recv.blocks for b in g],
+                f"P runs tensor parallel size {recv.remote_tp_size} and D {self._model.tp_size}; "
+                "kvpush's vLLM connector pairs equal sizes for now",
+            )
+            return
+        self._recv_blocks[recv.request_id] = {b for g in recv.blocks for b in g}
+        endpoint.expect(
+            recv.request_id,
+            f"{recv.remote_host}:{recv.remote_port + rank}",
+            [list(group) for group in recv.blocks],
+            recv.num_tokens,
+            transfer_id=recv.transfer_id,
+            first_tokens=[recv.first_token] * len(recv.blocks),
+            ttl=self._config.receive_timeout,
+        )
+
+    def _fail_recv(self, request_id: str, blocks: Sequence[int], reason: str) -> None:
+        logger.warning("kvpush: KV for request %s not received: %s", request_id, reason)
+        self._finished_recving.add(request_id)
+        self._failed_recving.add(request_id)
+        self._load_errors.update(blocks)
+
+    def poll(self) -> None:
+        """Collects the endpoint's events into the sets vLLM asks for."""
+        for event in self.endpoint.poll():
+            if event.role == "send":
+                if event.outcome == "failed":
+                    logger.warning("kvpush: send of %s failed: %s", event.request_id, event.reason)
+                self._finished_sending.add(event.request_id)
+                continue
+            blocks = self._recv_blocks.pop(event.request_id, set())
+            if event.outcome == "done":
+                self._finished_recving.add(event.request_id)
+            else:
+                self._fail_recv(event.request_id, sorted(blocks), event.reason or event.outcome)
+
+    def take_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """Sends finished, receives finished (failed ones included), receives failed."""
+        self.poll()
+        out = (self._finished_sending, self._finished_recving, self._failed_recving)
+        self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        """Block ids of failed receives (reported no later than the receive's finish)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self._endpoint is not None:
+            self._endpoint.close()

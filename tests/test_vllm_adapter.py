@@ -1,0 +1,195 @@
+"""The vLLM connector's logic without vLLM: layouts from vLLM's tensor shapes, the scheduler's
+bookkeeping, and two workers moving real bytes through their endpoints (loopback transport)."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+import pytest
+
+import kvpush
+from kvpush.exceptions import LayoutError
+from kvpush.vllm._layout import Model, TensorView, layout_from_caches
+from kvpush.vllm._scheduler import ParamsError, PushScheduler
+from kvpush.vllm._worker import PushWorker, WorkerConfig
+
+HEADS, HEAD = 2, 4  # KV heads per rank, head size (float32)
+
+
+def cpu_caches(layers: int, blocks: int, block_size: int, seed: int | None) -> list[np.ndarray]:
+    """vLLM CPU attention's per-layer caches: [blocks, kv_heads, block_size, 2 * head_size]."""
+    shape = (blocks, HEADS, block_size, 2 * HEAD)
+    if seed is None:
+        return [np.zeros(shape, np.float32) for _ in range(layers)]
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(np.float32) for _ in range(layers)]
+
+
+def view(a: np.ndarray) -> TensorView:
+    return TensorView(a.ctypes.data, a.shape, tuple(s // a.itemsize for s in a.strides), a.itemsize)
+
+
+def kv_of(cache: np.ndarray, block: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of one token (all heads) in a CPU-layout cache."""
+    bs = cache.shape[2]
+    as_rows = cache.reshape(cache.shape[0], HEADS, 2 * bs, HEAD)
+    return as_rows[block, :, slot], as_rows[block, :, bs + slot]
+
+
+def test_cpu_layout_is_hnd_with_k_and_v_as_pseudo_heads() -> None:
+    caches = cpu_caches(3, 8, 32, seed=None)
+    layout = layout_from_caches([view(c) for c in caches], Model(HEADS, HEAD, 32))
+    assert layout.token_order == "HND"
+    assert layout.heads == 2 * HEADS
+    assert layout.head_bytes == HEAD * 4
+    assert [r.base for r in layout.regions] == [c.ctypes.data for c in caches]
+    assert layout.regions[0].block_stride == HEADS * 32 * 2 * HEAD * 4
+
+
+def test_cpu_layouts_with_different_block_sizes_move_each_token_k_and_v() -> None:
+    p = cpu_caches(2, 16, 32, seed=1)
+    d = cpu_caches(2, 8, 64, seed=None)
+    planner = kvpush.Planner(
+        layout_from_caches([view(c) for c in p], Model(HEADS, HEAD, 32)),
+        layout_from_caches([view(c) for c in d], Model(HEADS, HEAD, 64)),
+    )
+    p_blocks, d_blocks, tokens = [9, 2, 14], [5, 1], 90
+    plan = planner.plan("req", tokens, [p_blocks], [d_blocks])
+    for src, dst, n in plan.runs():
+        ctypes.memmove(dst, src, n)  # the plan's addresses are the arrays' own
+    for layer in range(2):
+        for t in range(tokens):
+            pk, pv = kv_of(p[layer], p_blocks[t // 32], t % 32)
+            dk, dv = kv_of(d[layer], d_blocks[t // 64], t % 64)
+            assert np.array_equal(pk, dk), (layer, t)
+            assert np.array_equal(pv, dv), (layer, t)
+    written = sum(n for _, _, n in plan.runs())
+    assert written == 2 * tokens * 2 * HEADS * HEAD * 4
+    assert np.count_nonzero(np.concatenate([c.ravel() for c in d])) == written // 4
+
+
+def test_flash_layouts_and_unknown_shapes() -> None:
+    nhd = np.zeros((2, 8, 16, HEADS, HEAD), np.float16)
+    layout = layout_from_caches([view(nhd)], Model(HEADS, HEAD, 16))
+    assert (layout.token_order, len(layout.regions)) == ("NHD", 2)
+    assert layout.regions[1].base == nhd.ctypes.data + nhd[0].nbytes
+    hnd = np.zeros((2, 8, HEADS, 16, HEAD), np.float16).transpose(0, 1, 3, 2, 4)
+    assert layout_from_caches([view(hnd)], Model(HEADS, HEAD, 16)).token_order == "HND"
+    with pytest.raises(LayoutError, match="unsupported KV cache tensor"):
+        layout_from_caches([view(np.zeros((8, 16, 3), np.float16))], Model(HEADS, HEAD, 16))
+
+
+D_PARAMS = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "prefill",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 1,
+    "transfer_id": "xfer-1",
+}
+
+
+def test_scheduler_registers_d_blocks_once_and_cancels_aborted_waits() -> None:
+    sched = PushScheduler()
+    params = dict(D_PARAMS)
+    assert sched.external_tokens(params, prompt_tokens=100, num_computed=32) == (68, True)
+    assert sched.external_tokens({}, 100, 0) == (0, False)
+    sched.allocated("d-1", params, [[4, 7]], num_computed=32, prompt_tokens=100, num_external=68)
+    assert params["do_remote_prefill"] is False, "a re-entry must not register twice"
+    meta = sched.take_metadata()
+    (recv,) = meta.recvs
+    assert (recv.first_token, recv.num_tokens, recv.blocks) == (32, 100, ((4, 7),))
+    assert recv.transfer_id == "xfer-1"
+    assert not sched.take_metadata(), "metadata is per step"
+    assert sched.finished("d-1", params, False, [[4, 7]], 100) == (False, None)
+    assert sched.take_metadata().cancels == ["d-1"]
+
+
+def test_scheduler_refuses_params_without_p_coordinates() -> None:
+    params = {"do_remote_prefill": True, "remote_port": 5600}
+    with pytest.raises(ParamsError, match="remote_host"):
+        PushScheduler().allocated("d-2", params, [[1]], 0, 10, 10)
+
+
+def test_scheduler_keeps_p_blocks_until_the_send_is_reported() -> None:
+    sched = PushScheduler()
+    params = {"do_remote_decode": True, "transfer_id": "xfer-2"}
+    delay, out = sched.finished("p-1", params, True, [[1, 2, 3]], 40)
+    assert delay is True
+    assert out is not None
+    assert sched.has_pending_work()
+    (send,) = sched.take_metadata().sends
+    assert (send.request_id, send.blocks, send.num_tokens) == ("p-1", ((1, 2, 3),), 40)
+    sched.transfers_finished({"p-1"}, set())
+    assert not sched.has_pending_work()
+    assert sched.finished("p-2", dict(params), False, [[4]], 10) == (False, None)
+    assert sched.take_metadata().aborts == [("p-2", "xfer-2")]
+
+
+def worker(engine: str, caches: list[np.ndarray], block_size: int, port: int) -> PushWorker:
+    config = WorkerConfig(
+        engine_id=engine,
+        side_channel_host="127.0.0.1",
+        side_channel_port=port,
+        secret=b"adapter-test-secret-0123",
+        ttl=30.0,
+        receive_timeout=30.0,
+        transport="loopback",
+        model_fingerprint="tiny",
+    )
+    w = PushWorker(config, Model(HEADS, HEAD, block_size))
+    w.register([view(c) for c in caches])
+    return w
+
+
+def test_two_workers_move_a_request_through_scheduler_metadata() -> None:
+    p_caches, d_caches = cpu_caches(2, 16, 32, seed=3), cpu_caches(2, 8, 64, seed=None)
+    p, d = worker("prefill", p_caches, 32, 0), worker("decode", d_caches, 64, 0)
+    try:
+        p_sched, d_sched = PushScheduler(), PushScheduler()
+        p_port = int(p.endpoint.address.rsplit(":", 1)[1])
+        params = {**D_PARAMS, "remote_port": p_port}
+        d_sched.allocated("d-req", params, [[6, 3]], 0, 100, 100)
+        d.apply(d_sched.take_metadata())
+        p_sched.finished("p-req", {"do_remote_decode": True, "transfer_id": "xfer-1"},
+                         True, [[3, 8, 1, 12]], 100)  # fmt: skip
+        p.apply(p_sched.take_metadata())
+        sent: set[str] = set()
+        received: set[str] = set()
+        deadline = time.monotonic() + 10.0
+        while (not sent or not received) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            sent |= p.take_finished()[0]
+            recv_done, failed = d.take_finished()[1:]
+            assert not failed
+            received |= recv_done
+        assert (sent, received) == ({"p-req"}, {"d-req"})
+        for layer in range(2):
+            for t in range(100):
+                pk, pv = kv_of(p_caches[layer], [3, 8, 1, 12][t // 32], t % 32)
+                dk, dv = kv_of(d_caches[layer], [6, 3][t // 64], t % 64)
+                assert np.array_equal(pk, dk)
+                assert np.array_equal(pv, dv)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_failed_receive_reports_the_blocks_as_load_errors() -> None:
+    d = worker("decode-f", cpu_caches(1, 8, 32, seed=None), 32, 0)
+    try:
+        sched = PushScheduler()
+        closed = {**D_PARAMS, "remote_port": 1}  # nothing listens on port 1
+        sched.allocated("d-lost", closed, [[2, 5]], 0, 40, 40)
+        d.apply(sched.take_metadata())
+        deadline = time.monotonic() + 10.0
+        finished: set[str] = set()
+        while not finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+            _, finished, failed = d.take_finished()
+        assert finished == failed == {"d-lost"}
+        assert d.take_load_errors() == {2, 5}
+    finally:
+        d.close()
