@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpush.vllm._layout import Model, TensorView
 from kvpush.vllm._scheduler import PushMetadata, PushScheduler
@@ -83,6 +84,10 @@ def _worker_config(vllm_config: VllmConfig) -> WorkerConfig:
 class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Push-based KV transfer: D registers its blocks while P computes; P's native writer
     thread WRITEs the moment both halves are present."""
+
+    # D's prompt tokens that arrive through kvpush count as cached from a peer in vLLM's
+    # metrics (`vllm:prompt_tokens_cached_by_source_total{source="p2p"}`).
+    _cache_hit_source = CacheHitSource.P2P
 
     def __init__(
         self,
