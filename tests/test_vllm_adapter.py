@@ -31,52 +31,43 @@ def view(a: np.ndarray) -> TensorView:
     return TensorView(a.ctypes.data, a.shape, tuple(s // a.itemsize for s in a.strides), a.itemsize)
 
 
-def kv_of(cache: np.ndarray, block: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
-    """K and V of one token (all heads) in a CPU-layout cache."""
-    bs = cache.shape[2]
-    as_rows = cache.reshape(cache.shape[0], HEADS, 2 * bs, HEAD)
-    return as_rows[block, :, slot], as_rows[block, :, bs + slot]
-
-
-def test_cpu_layout_is_hnd_with_k_and_v_as_pseudo_heads() -> None:
+def test_cpu_blocks_are_opaque_and_move_whole() -> None:
     caches = cpu_caches(3, 8, 32, seed=None)
-    layout = layout_from_caches([view(c) for c in caches], Model(HEADS, HEAD, 32))
-    assert layout.token_order == "HND"
-    assert layout.heads == 2 * HEADS
-    assert layout.head_bytes == HEAD * 4
+    cache = layout_from_caches([view(c) for c in caches], Model(HEADS, HEAD, 32))
+    layout = cache.layout
+    assert cache.whole_blocks
     assert [r.base for r in layout.regions] == [c.ctypes.data for c in caches]
     assert layout.regions[0].block_stride == HEADS * 32 * 2 * HEAD * 4
+    assert layout.block_tokens * layout.heads * layout.head_bytes == layout.regions[0].block_stride
+    assert [cache.tokens_to_write(n) for n in (1, 32, 33, 90)] == [32, 32, 64, 96]
 
 
-def test_cpu_layouts_with_different_block_sizes_move_each_token_k_and_v() -> None:
+def test_cpu_plan_copies_every_listed_block_whole_and_nothing_else() -> None:
     p = cpu_caches(2, 16, 32, seed=1)
-    d = cpu_caches(2, 8, 64, seed=None)
-    planner = kvpush.Planner(
-        layout_from_caches([view(c) for c in p], Model(HEADS, HEAD, 32)),
-        layout_from_caches([view(c) for c in d], Model(HEADS, HEAD, 64)),
-    )
-    p_blocks, d_blocks, tokens = [9, 2, 14], [5, 1], 90
-    plan = planner.plan("req", tokens, [p_blocks], [d_blocks])
-    for src, dst, n in plan.runs():
-        ctypes.memmove(dst, src, n)  # the plan's addresses are the arrays' own
+    d = cpu_caches(2, 16, 32, seed=None)
+    model = Model(HEADS, HEAD, 32)
+    src, dst = (layout_from_caches([view(c) for c in cs], model) for cs in (p, d))
+    p_blocks, d_blocks = [9, 2, 14], [5, 1, 11]
+    tokens = src.tokens_to_write(70)  # a partial last block still moves whole
+    plan = kvpush.Planner(src.layout, dst.layout).plan("req", tokens, [p_blocks], [d_blocks])
+    for s_addr, d_addr, n in plan.runs():
+        ctypes.memmove(d_addr, s_addr, n)  # the plan's addresses are the arrays' own
     for layer in range(2):
-        for t in range(tokens):
-            pk, pv = kv_of(p[layer], p_blocks[t // 32], t % 32)
-            dk, dv = kv_of(d[layer], d_blocks[t // 64], t % 64)
-            assert np.array_equal(pk, dk), (layer, t)
-            assert np.array_equal(pv, dv), (layer, t)
-    written = sum(n for _, _, n in plan.runs())
-    assert written == 2 * tokens * 2 * HEADS * HEAD * 4
-    assert np.count_nonzero(np.concatenate([c.ravel() for c in d])) == written // 4
+        for pb, db in zip(p_blocks, d_blocks, strict=True):
+            assert np.array_equal(p[layer][pb], d[layer][db])
+        untouched = [b for b in range(16) if b not in d_blocks]
+        assert not d[layer][untouched].any()
 
 
 def test_flash_layouts_and_unknown_shapes() -> None:
     nhd = np.zeros((2, 8, 16, HEADS, HEAD), np.float16)
-    layout = layout_from_caches([view(nhd)], Model(HEADS, HEAD, 16))
+    cache = layout_from_caches([view(nhd)], Model(HEADS, HEAD, 16))
+    layout = cache.layout
+    assert not cache.whole_blocks
     assert (layout.token_order, len(layout.regions)) == ("NHD", 2)
     assert layout.regions[1].base == nhd.ctypes.data + nhd[0].nbytes
     hnd = np.zeros((2, 8, HEADS, 16, HEAD), np.float16).transpose(0, 1, 3, 2, 4)
-    assert layout_from_caches([view(hnd)], Model(HEADS, HEAD, 16)).token_order == "HND"
+    assert layout_from_caches([view(hnd)], Model(HEADS, HEAD, 16)).layout.token_order == "HND"
     with pytest.raises(LayoutError, match="unsupported KV cache tensor"):
         layout_from_caches([view(np.zeros((8, 16, 3), np.float16))], Model(HEADS, HEAD, 16))
 
@@ -145,33 +136,59 @@ def worker(engine: str, caches: list[np.ndarray], block_size: int, port: int) ->
 
 
 def test_two_workers_move_a_request_through_scheduler_metadata() -> None:
-    p_caches, d_caches = cpu_caches(2, 16, 32, seed=3), cpu_caches(2, 8, 64, seed=None)
-    p, d = worker("prefill", p_caches, 32, 0), worker("decode", d_caches, 64, 0)
+    p_caches, d_caches = cpu_caches(2, 16, 32, seed=3), cpu_caches(2, 16, 32, seed=None)
+    p, d = worker("prefill", p_caches, 32, 0), worker("decode", d_caches, 32, 0)
     try:
         p_sched, d_sched = PushScheduler(), PushScheduler()
         p_port = int(p.endpoint.address.rsplit(":", 1)[1])
         params = {**D_PARAMS, "remote_port": p_port}
-        d_sched.allocated("d-req", params, [[6, 3]], 0, 100, 100)
+        d_sched.allocated("d-req", params, [[6, 3, 9, 0]], 0, 100, 100)
         d.apply(d_sched.take_metadata())
         p_sched.finished("p-req", {"do_remote_decode": True, "transfer_id": "xfer-1"},
                          True, [[3, 8, 1, 12]], 100)  # fmt: skip
         p.apply(p_sched.take_metadata())
-        sent: set[str] = set()
-        received: set[str] = set()
-        deadline = time.monotonic() + 10.0
-        while (not sent or not received) and time.monotonic() < deadline:
-            time.sleep(0.01)
-            sent |= p.take_finished()[0]
-            recv_done, failed = d.take_finished()[1:]
-            assert not failed
-            received |= recv_done
+        sent, received = wait_finished(p, d)
         assert (sent, received) == ({"p-req"}, {"d-req"})
         for layer in range(2):
-            for t in range(100):
-                pk, pv = kv_of(p_caches[layer], [3, 8, 1, 12][t // 32], t % 32)
-                dk, dv = kv_of(d_caches[layer], [6, 3][t // 64], t % 64)
-                assert np.array_equal(pk, dk)
-                assert np.array_equal(pv, dv)
+            for pb, db in zip([3, 8, 1, 12], [6, 3, 9, 0], strict=True):
+                assert np.array_equal(p_caches[layer][pb], d_caches[layer][db])
+    finally:
+        p.close()
+        d.close()
+
+
+def wait_finished(p: PushWorker, d: PushWorker) -> tuple[set[str], set[str]]:
+    """P's finished sends and D's finished receives, once both have one (bounded)."""
+    sent: set[str] = set()
+    received: set[str] = set()
+    deadline = time.monotonic() + 10.0
+    while (not sent or not received) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        sent |= p.take_finished()[0]
+        recv_done, failed = d.take_finished()[1:]
+        assert not failed, f"receive failed: {failed}"
+        received |= recv_done
+    return sent, received
+
+
+def test_opaque_blocks_of_different_sizes_are_refused_at_the_handshake(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    p = worker("prefill-64", cpu_caches(1, 8, 64, seed=3), 64, 0)
+    d = worker("decode-32", cpu_caches(1, 8, 32, seed=None), 32, 0)
+    try:
+        sched = PushScheduler()
+        port = int(p.endpoint.address.rsplit(":", 1)[1])
+        sched.allocated("d-x", {**D_PARAMS, "remote_port": port}, [[1, 2]], 0, 50, 50)
+        d.apply(sched.take_metadata())
+        deadline = time.monotonic() + 10.0
+        failed: set[str] = set()
+        while not failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+            failed = d.take_finished()[2]
+        assert failed == {"d-x"}
+        assert d.take_load_errors() == {1, 2}
+        assert "the same block size where blocks move whole" in caplog.text
     finally:
         p.close()
         d.close()

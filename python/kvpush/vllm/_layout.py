@@ -4,10 +4,13 @@ vLLM hands the connector one tensor per attention layer; its shape depends on th
 backend. kvpush describes memory as regions of blocks with heads in NHD or HND order, so each
 known shape maps onto that model:
 
-* CPU attention (``CPU_ATTN``): ``[blocks, kv_heads, block_size, 2 * head_size]``: per head,
-  the block's K rows then its V rows. That is HND with ``2 * kv_heads`` pseudo-heads (K of head
-  ``h`` is pseudo-head ``2h``, V is ``2h + 1``), one region per layer. A rank's pseudo-heads stay
-  a contiguous global range, so tensor-parallel slicing still works.
+* CPU attention (``CPU_ATTN``): ``[blocks, kv_heads, block_size, 2 * head_size]``. Inside a
+  block the kernels keep, per head, K *transposed* (``[head_size][block_size]``) and then V
+  (``[block_size][head_size]``) (measured with ``cpu_attn_reshape_and_cache``), so one token's
+  K is not contiguous and no token range of a block is a byte range. Such blocks are *opaque*:
+  they move whole, between P and D of the same block size, which :class:`CacheLayout` says with
+  ``whole_blocks``. The layout presents a block as ``block_size`` rows of equal bytes so that
+  the planner's whole-block runs are exact.
 * FlashAttention-style: ``[2, blocks, block_size, kv_heads, head_size]`` (K and V halves), in
   NHD order, or HND when the strides say heads are outermost inside a block.
 * FlashInfer-style: ``[blocks, 2, block_size, kv_heads, head_size]``.
@@ -64,7 +67,23 @@ class Model:
     tp_size: int = 1
 
 
-def layout_from_caches(views: Sequence[TensorView], model: Model) -> kvpush.KvLayout:
+@dataclass(frozen=True)
+class CacheLayout:
+    """A worker's layout, and whether its blocks may only move whole (see the module docs)."""
+
+    layout: kvpush.KvLayout
+    whole_blocks: bool
+
+    def tokens_to_write(self, num_tokens: int) -> int:
+        """Tokens to ask the planner for: whole blocks when blocks are opaque. The slots past
+        the prompt carry P's scratch, which D overwrites as it decodes."""
+        if not self.whole_blocks:
+            return num_tokens
+        block = self.layout.block_tokens
+        return -(-num_tokens // block) * block
+
+
+def layout_from_caches(views: Sequence[TensorView], model: Model) -> CacheLayout:
     """The layout of one worker's KV caches (one view per layer, in layer order)."""
     if not views:
         raise LayoutError("vLLM registered no KV cache tensors with the connector")
@@ -86,18 +105,22 @@ def layout_from_caches(views: Sequence[TensorView], model: Model) -> kvpush.KvLa
                 base = v.data_ptr + half * v.stride[1] * e
                 regions.append(kvpush.Region(base, v.stride[0] * e, v.shape[0]))
     if kind == "cpu":
-        heads, order = 2 * model.kv_heads, "HND"
+        # A block as `block_size` equal rows holding every head's K and V: exact for whole
+        # blocks, which is all an opaque block may be copied as.
+        heads, head_bytes, order = 1, model.kv_heads * 2 * model.head_size * e, "NHD"
     else:
-        heads, order = model.kv_heads, "HND" if kind == "flash_hnd" else "NHD"
-    return kvpush.KvLayout(
+        heads, head_bytes = model.kv_heads, model.head_size * e
+        order = "HND" if kind == "flash_hnd" else "NHD"
+    layout = kvpush.KvLayout(
         regions,
         block_tokens=model.block_size,
         heads=heads,
-        head_bytes=model.head_size * e,
+        head_bytes=head_bytes,
         token_order=order,  # type: ignore[arg-type]
         tp_rank=model.tp_rank,
         tp_size=model.tp_size,
     )
+    return CacheLayout(layout, whole_blocks=kind == "cpu")
 
 
 def _classify(v: TensorView, m: Model) -> str:

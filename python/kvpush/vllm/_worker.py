@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import kvpush
 from kvpush.exceptions import KvPushError
-from kvpush.vllm._layout import Model, TensorView, layout_from_caches
+from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches
 from kvpush.vllm._scheduler import PushMetadata, RecvRequest
 
 logger = logging.getLogger("kvpush.vllm")
@@ -30,13 +30,15 @@ class WorkerConfig:
     model_fingerprint: str
 
 
-def compatibility(model_fingerprint: str, layout: kvpush.KvLayout) -> str:
-    """What P and D must agree on: the model's KV geometry, not block sizes or TP ranks
-    (kvpush translates between those)."""
+def compatibility(model_fingerprint: str, cache: CacheLayout) -> str:
+    """What P and D must agree on: the model's KV geometry; block sizes and TP ranks only where
+    kvpush cannot translate between them (opaque blocks move whole, so their size must match)."""
+    layout = cache.layout
     total_heads = layout.heads * layout.tp_size
+    block = f"|whole-blocks-of-{layout.block_tokens}" if cache.whole_blocks else ""
     digest = hashlib.sha256(
-        f"{model_fingerprint}|{len(layout.regions) // layout.tp_size}|{total_heads}|"
-        f"{layout.head_bytes}|{layout.token_order}|kvpush/{kvpush.PROTOCOL_VERSION}".encode()
+        f"{model_fingerprint}|{len(layout.regions)}|{total_heads}|{layout.head_bytes}|"
+        f"{layout.token_order}{block}|kvpush/{kvpush.PROTOCOL_VERSION}".encode()
     )
     return digest.hexdigest()[:32]
 
@@ -48,6 +50,7 @@ class PushWorker:
         self._config = config
         self._model = model
         self._endpoint: kvpush.Endpoint | None = None
+        self._cache: CacheLayout | None = None
         self._recv_blocks: dict[str, set[int]] = {}
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
@@ -62,7 +65,9 @@ class PushWorker:
 
     def register(self, views: Sequence[TensorView]) -> None:
         """Starts the endpoint over the KV cache tensors (one per layer, in layer order)."""
-        layout = layout_from_caches(views, self._model)
+        cache = layout_from_caches(views, self._model)
+        layout = cache.layout
+        self._cache = cache
         spans = sorted({(v.data_ptr, v.nbytes) for v in views})
         port = self._config.side_channel_port + self._model.tp_rank
         self._endpoint = kvpush.Endpoint(
@@ -73,7 +78,7 @@ class PushWorker:
             agent_name=f"{self._config.engine_id}-tp{self._model.tp_rank}",
             bind=f"{self._config.side_channel_host}:{port}",
             secret=self._config.secret,
-            compatibility=compatibility(self._config.model_fingerprint, layout),
+            compatibility=compatibility(self._config.model_fingerprint, cache),
         )
         logger.info(
             "kvpush endpoint %s listening on %s (%d regions, %d-token blocks)",
@@ -87,12 +92,13 @@ class PushWorker:
         """Acts on one step's instructions. Never raises for one request's trouble: a refused
         request is reported finished (and failed) so vLLM frees or recomputes it."""
         endpoint = self.endpoint
+        assert self._cache is not None
         for send in metadata.sends:
             try:
                 endpoint.ready(
                     send.request_id,
                     [list(group) for group in send.blocks],
-                    send.num_tokens,
+                    self._cache.tokens_to_write(send.num_tokens),
                     transfer_id=send.transfer_id,
                     ttl=self._config.ttl,
                 )
@@ -118,11 +124,12 @@ class PushWorker:
             )
             return
         self._recv_blocks[recv.request_id] = {b for g in recv.blocks for b in g}
+        assert self._cache is not None
         endpoint.expect(
             recv.request_id,
             f"{recv.remote_host}:{recv.remote_port + rank}",
             [list(group) for group in recv.blocks],
-            recv.num_tokens,
+            self._cache.tokens_to_write(recv.num_tokens),
             transfer_id=recv.transfer_id,
             first_tokens=[recv.first_token] * len(recv.blocks),
             ttl=self._config.receive_timeout,

@@ -257,7 +257,8 @@ pub(super) fn check_hello(ours: &Hello, theirs: &Hello) -> Result<(), ErrorReply
             "incompatible",
             &format!(
                 "engine {:?} has compatibility hash {:?}, engine {:?} has {:?}: prefill and \
-                 decode must run the same model, dtypes and attention backend",
+                 decode must run the same model, dtypes and attention backend (and the same \
+                 block size where blocks move whole, as with vLLM's CPU attention)",
                 theirs.engine_id, theirs.compatibility, ours.engine_id, ours.compatibility
             ),
         ));
