@@ -4,7 +4,9 @@ bookkeeping, and two workers moving real bytes through their endpoints (loopback
 from __future__ import annotations
 
 import ctypes
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,3 +212,34 @@ def test_failed_receive_reports_the_blocks_as_load_errors() -> None:
         assert d.take_load_errors() == {2, 5}
     finally:
         d.close()
+
+
+def test_timeline_lines_join_p_and_d_by_transfer_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVPUSH_TIMELINE_DIR", str(tmp_path))
+    p = worker("prefill-t", cpu_caches(1, 8, 32, seed=3), 32, 0)
+    d = worker("decode-t", cpu_caches(1, 8, 32, seed=None), 32, 0)
+    try:
+        port = int(p.endpoint.address.rsplit(":", 1)[1])
+        d_sched, p_sched = PushScheduler(), PushScheduler()
+        d_sched.allocated("d-t", {**D_PARAMS, "remote_port": port}, [[1, 2]], 0, 50, 50)
+        d.apply(d_sched.take_metadata())
+        p_sched.finished("p-t", {"do_remote_decode": True, "transfer_id": "xfer-1"}, True,
+                         [[4, 5]], 50)  # fmt: skip
+        started = time.time()
+        p.apply(p_sched.take_metadata())
+        assert wait_finished(p, d) == ({"p-t"}, {"d-t"})
+    finally:
+        p.close()
+        d.close()
+    (sent,) = [json.loads(x) for x in (tmp_path / "prefill-t-tp0.jsonl").read_text().splitlines()]
+    (got,) = [json.loads(x) for x in (tmp_path / "decode-t-tp0.jsonl").read_text().splitlines()]
+    assert sent["key"] == got["key"] == "xfer-1"
+    assert (sent["role"], got["role"], sent["outcome"], got["outcome"]) == (
+        "send", "receive", "done", "done"
+    )  # fmt: skip
+    walls = sent["wall"]
+    assert walls["ready"] <= walls["matched"] <= walls["posted"] <= walls["completed"]
+    assert abs(walls["ready"] - started) < 5.0, "wall times are unix times"
+    assert got["wall"]["registered"] <= got["wall"]["completed"]

@@ -4,9 +4,14 @@ process, fed by the scheduler's metadata, reporting finished transfers back."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
 
 import kvpush
 from kvpush.exceptions import KvPushError
@@ -14,6 +19,10 @@ from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_cach
 from kvpush.vllm._scheduler import PushMetadata, RecvRequest
 
 logger = logging.getLogger("kvpush.vllm")
+
+#: When set, each worker appends one JSON line per finished transfer to
+#: ``$KVPUSH_TIMELINE_DIR/<engine>-tp<rank>.jsonl`` (``kvpush demo`` reads them).
+TIMELINE_DIR_ENV = "KVPUSH_TIMELINE_DIR"
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ class PushWorker:
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._timeline: IO[str] | None = None
 
     @property
     def endpoint(self) -> kvpush.Endpoint:
@@ -80,6 +90,11 @@ class PushWorker:
             secret=self._config.secret,
             compatibility=compatibility(self._config.model_fingerprint, cache),
         )
+        timeline_dir = os.environ.get(TIMELINE_DIR_ENV)
+        if timeline_dir:
+            path = Path(timeline_dir) / f"{self._config.engine_id}-tp{self._model.tp_rank}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._timeline = path.open("a", encoding="utf-8")
         logger.info(
             "kvpush endpoint %s listening on %s (%d regions, %d-token blocks)",
             self._config.engine_id,
@@ -141,9 +156,29 @@ class PushWorker:
         self._failed_recving.add(request_id)
         self._load_errors.update(blocks)
 
+    def _record(self, event: kvpush.TransferEvent) -> None:
+        """One timeline line, its times moved from the endpoint's clock to unix time."""
+        if self._timeline is None:
+            return
+        offset = time.time() - self.endpoint.clock()
+        line = {
+            "engine": self._config.engine_id,
+            "role": event.role,
+            "request_id": event.request_id,
+            "key": event.key,
+            "outcome": event.outcome,
+            "reason": event.reason,
+            "bytes": event.bytes,
+            "runs": event.runs,
+            "wall": {step: at + offset for step, at in event.timeline.items()},
+        }
+        self._timeline.write(json.dumps(line) + "\n")
+        self._timeline.flush()
+
     def poll(self) -> None:
         """Collects the endpoint's events into the sets vLLM asks for."""
         for event in self.endpoint.poll():
+            self._record(event)
             if event.role == "send":
                 if event.outcome == "failed":
                     logger.warning("kvpush: send of %s failed: %s", event.request_id, event.reason)
@@ -170,3 +205,5 @@ class PushWorker:
     def close(self) -> None:
         if self._endpoint is not None:
             self._endpoint.close()
+        if self._timeline is not None:
+            self._timeline.close()
