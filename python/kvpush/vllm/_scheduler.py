@@ -16,6 +16,7 @@ kv_transfer_params are vLLM's push-proxy contract (``do_remote_prefill``, ``do_r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,9 @@ class SendRequest:
     transfer_id: str | None
     blocks: tuple[tuple[int, ...], ...]
     num_tokens: int
+    #: Unix time the scheduler saw the prefill finish: the worker's ``ready`` comes one engine
+    #: step later, and the timeline shows that wait.
+    decided_at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class RecvRequest:
     blocks: tuple[tuple[int, ...], ...]
     first_token: int
     num_tokens: int
+    #: Unix time the scheduler allocated D's blocks (the registration leaves a step later).
+    decided_at: float = field(default_factory=time.time)
 
 
 @dataclass

@@ -66,6 +66,7 @@ class PushWorker:
         self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._timeline: IO[str] | None = None
+        self._decided: dict[str, float] = {}
 
     @property
     def endpoint(self) -> kvpush.Endpoint:
@@ -109,6 +110,7 @@ class PushWorker:
         endpoint = self.endpoint
         assert self._cache is not None
         for send in metadata.sends:
+            self._decided[send.request_id] = send.decided_at
             try:
                 endpoint.ready(
                     send.request_id,
@@ -139,6 +141,7 @@ class PushWorker:
             )
             return
         self._recv_blocks[recv.request_id] = {b for g in recv.blocks for b in g}
+        self._decided[recv.request_id] = recv.decided_at
         assert self._cache is not None
         endpoint.expect(
             recv.request_id,
@@ -157,10 +160,18 @@ class PushWorker:
         self._load_errors.update(blocks)
 
     def _record(self, event: kvpush.TransferEvent) -> None:
-        """One timeline line, its times moved from the endpoint's clock to unix time."""
+        """One timeline line, its times moved from the endpoint's clock to unix time.
+
+        ``scheduled`` is when vLLM's scheduler decided (P: the prefill finished; D: the blocks
+        were allocated): ``ready``/``registered`` minus it is the wait for the next engine step.
+        """
+        decided = self._decided.pop(event.request_id, None)
         if self._timeline is None:
             return
         offset = time.time() - self.endpoint.clock()
+        wall = {step: at + offset for step, at in event.timeline.items()}
+        if decided is not None:
+            wall["scheduled"] = decided
         line = {
             "engine": self._config.engine_id,
             "role": event.role,
@@ -170,7 +181,7 @@ class PushWorker:
             "reason": event.reason,
             "bytes": event.bytes,
             "runs": event.runs,
-            "wall": {step: at + offset for step, at in event.timeline.items()},
+            "wall": wall,
         }
         self._timeline.write(json.dumps(line) + "\n")
         self._timeline.flush()
