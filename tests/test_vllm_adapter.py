@@ -13,6 +13,7 @@ import pytest
 
 import kvpush
 from kvpush.exceptions import LayoutError
+from kvpush.vllm import _stats
 from kvpush.vllm._layout import Model, TensorView, layout_from_caches
 from kvpush.vllm._scheduler import ParamsError, PushScheduler
 from kvpush.vllm._worker import PushWorker, WorkerConfig
@@ -244,3 +245,32 @@ def test_timeline_lines_join_p_and_d_by_transfer_key(
     assert walls["posted"] <= walls["completed"]
     assert abs(walls["ready"] - started) < 5.0, "wall times are unix times"
     assert got["wall"]["scheduled"] <= got["wall"]["registered"] <= got["wall"]["completed"]
+
+
+def test_stats_count_transfers_and_time_each_step() -> None:
+    p = worker("prefill-s", cpu_caches(1, 8, 32, seed=3), 32, 0)
+    d = worker("decode-s", cpu_caches(1, 8, 32, seed=None), 32, 0)
+    try:
+        port = int(p.endpoint.address.rsplit(":", 1)[1])
+        d_sched, p_sched = PushScheduler(), PushScheduler()
+        d_sched.allocated("d-s", {**D_PARAMS, "remote_port": port}, [[1, 2]], 0, 50, 50)
+        d.apply(d_sched.take_metadata())
+        p_sched.finished(
+            "p-s", {"do_remote_decode": True, "transfer_id": "xfer-1"}, True, [[4, 5]], 50
+        )
+        p.apply(p_sched.take_metadata())
+        assert wait_finished(p, d) == ({"p-s"}, {"d-s"})
+        sent, received = p.take_stats(), d.take_stats()
+    finally:
+        p.close()
+        d.close()
+    assert sent is not None
+    assert received is not None
+    assert (sent["sent"], received["received"]) == (1, 1)
+    block_bytes = HEADS * 32 * 2 * HEAD * 4
+    assert sent["bytes"] == received["bytes"] == [2 * block_bytes]
+    summary = _stats.reduce(_stats.aggregate(_stats.empty(), sent))
+    assert summary["sent"] == 1
+    assert summary["failed"] == 0
+    assert {"post_ms_p50", "transfer_ms_p50", "step_wait_ms_p50"} <= summary.keys()
+    assert p.take_stats() is None, "an interval's stats are taken once"

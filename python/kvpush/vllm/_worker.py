@@ -15,6 +15,7 @@ from typing import IO
 
 import kvpush
 from kvpush.exceptions import KvPushError
+from kvpush.vllm import _stats
 from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches
 from kvpush.vllm._scheduler import PushMetadata, RecvRequest
 
@@ -67,6 +68,7 @@ class PushWorker:
         self._load_errors: set[int] = set()
         self._timeline: IO[str] | None = None
         self._decided: dict[str, float] = {}
+        self._stats = _stats.empty()
 
     @property
     def endpoint(self) -> kvpush.Endpoint:
@@ -159,16 +161,14 @@ class PushWorker:
         self._failed_recving.add(request_id)
         self._load_errors.update(blocks)
 
-    def _record(self, event: kvpush.TransferEvent) -> None:
-        """One timeline line, its times moved from the endpoint's clock to unix time.
+    def _record(self, event: kvpush.TransferEvent, decided: float | None, offset: float) -> None:
+        """One timeline line, its times moved from the endpoint's clock to unix time (``offset``).
 
         ``scheduled`` is when vLLM's scheduler decided (P: the prefill finished; D: the blocks
         were allocated): ``ready``/``registered`` minus it is the wait for the next engine step.
         """
-        decided = self._decided.pop(event.request_id, None)
         if self._timeline is None:
             return
-        offset = time.time() - self.endpoint.clock()
         wall = {step: at + offset for step, at in event.timeline.items()}
         if decided is not None:
             wall["scheduled"] = decided
@@ -188,8 +188,11 @@ class PushWorker:
 
     def poll(self) -> None:
         """Collects the endpoint's events into the sets vLLM asks for."""
+        offset = time.time() - self.endpoint.clock()
         for event in self.endpoint.poll():
-            self._record(event)
+            decided = self._decided.pop(event.request_id, None)
+            self._record(event, decided, offset)
+            _stats.observe(self._stats, event, decided, offset)
             if event.role == "send":
                 if event.outcome == "failed":
                     logger.warning("kvpush: send of %s failed: %s", event.request_id, event.reason)
@@ -207,6 +210,14 @@ class PushWorker:
         out = (self._finished_sending, self._finished_recving, self._failed_recving)
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
         return out
+
+    def take_stats(self) -> dict[str, object] | None:
+        """Transfer statistics since the last call (None when nothing happened)."""
+        self.poll()
+        if _stats.is_empty(self._stats):
+            return None
+        stats, self._stats = self._stats, _stats.empty()
+        return stats
 
     def take_load_errors(self) -> set[int]:
         """Block ids of failed receives (reported no later than the receive's finish)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,8 +33,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvpush.vllm import _stats
 from kvpush.vllm._layout import Model, TensorView
 from kvpush.vllm._scheduler import PushMetadata, PushScheduler
 from kvpush.vllm._worker import PushWorker, WorkerConfig
@@ -57,6 +63,91 @@ class KvPushMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     def __init__(self, push: PushMetadata) -> None:
         self.push = push
+
+
+class KvPushStats(KVConnectorStats):  # type: ignore[misc]
+    """Transfer statistics of one interval, summed over workers (see ``_stats``)."""
+
+    data: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = _stats.empty()
+
+    def reset(self) -> None:
+        self.data = _stats.empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KvPushStats:
+        _stats.aggregate(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return _stats.reduce(self.data)
+
+    def is_empty(self) -> bool:
+        return _stats.is_empty(self.data)
+
+
+class KvPushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """``vllm:kvpush_*`` Prometheus metrics, one series per engine."""
+
+    SECONDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            metric = self._histogram_cls(
+                name=f"vllm:kvpush_{name}",
+                documentation=doc,
+                buckets=list(buckets),
+                labelnames=self._labelnames,
+            )
+            return create_metric_per_engine(metric, self.per_engine_labelvalues)
+
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+            return self._counter_cls(
+                name=f"vllm:kvpush_{name}",
+                documentation=doc,
+                labelnames=[*self._labelnames, *labels],
+            )
+
+        self._histograms = {
+            "bytes": histogram(
+                "bytes", "Bytes per KV transfer.", [2 ** (10 + i) for i in range(1, 25, 2)]
+            ),
+            "descriptors": histogram(
+                "descriptors",
+                "Descriptor runs per WRITE (after merging).",
+                [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536],
+            ),
+            "post_seconds": histogram("post_seconds", "P: match to WRITE posted.", self.SECONDS),
+            "transfer_seconds": histogram(
+                "transfer_seconds",
+                "P: WRITE posted to done; D: registered to KV here.",
+                self.SECONDS,
+            ),
+            "registration_wait_seconds": histogram(
+                "registration_wait_seconds", "P: KV ready to D's registration.", self.SECONDS
+            ),
+            "step_wait_seconds": histogram(
+                "step_wait_seconds", "Scheduler decision to worker action.", self.SECONDS
+            ),
+        }
+        self._transfers = counter("transfers", "Finished KV transfers.", ["role"])
+        self._failures = counter("failures", "Failed KV transfers by reason.", ["reason"])
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, per_engine in self._histograms.items():
+            for value in transfer_stats_data.get(name, ()):
+                per_engine[engine_idx].observe(value)
+        for role, key in (("send", "sent"), ("receive", "received")):
+            if transfer_stats_data.get(key):
+                self._transfers.labels(*labels, role).inc(transfer_stats_data[key])
+        for reason, count in transfer_stats_data.get("failures", {}).items():
+            self._failures.labels(*labels, reason).inc(count)
 
 
 def _worker_config(vllm_config: VllmConfig) -> WorkerConfig:
@@ -185,6 +276,14 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             len(request.prompt_token_ids or ()),
         )
 
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvPushStats:
+        return KvPushStats(data=data or _stats.empty())
+
+    @classmethod
+    def build_prom_metrics(cls, *args: Any) -> KvPushPromMetrics:
+        return KvPushPromMetrics(*args)
+
     def has_pending_push_work(self) -> bool:
         return self._sched.has_pending_work()
 
@@ -238,6 +337,10 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KvPushStats | None:
+        stats = self._work.take_stats()
+        return None if stats is None else KvPushStats(data=stats)
 
     def shutdown(self) -> None:
         if self._worker is not None:
