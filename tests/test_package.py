@@ -61,3 +61,14 @@ def test_demo_runs_end_to_end_and_verifies_bytes() -> None:
     assert "byte for byte: yes" in result.stdout
     assert "NOT REFUSED" not in result.stdout
     assert result.stdout.count("Error[") == 6
+
+
+def test_the_vllm_plugin_entry_point_is_installed() -> None:
+    import importlib.metadata
+
+    (plugin,) = [
+        p
+        for p in importlib.metadata.entry_points(group="vllm.general_plugins")
+        if p.name == "kvpush"
+    ]
+    assert plugin.value == "kvpush.vllm:register"
