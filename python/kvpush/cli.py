@@ -39,6 +39,12 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    from kvpush import proxy
+
+    return proxy.run(args)
+
+
 def _version(_args: argparse.Namespace) -> int:
     print(f"kvpush {kvpush.__version__} (protocol kvpush/{kvpush.PROTOCOL_VERSION})")
     return 0
@@ -101,6 +107,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--markdown", metavar="PATH", help="also write the results into PATH's Data path section"
     )
     transfer.set_defaults(run=_bench_transfer)
+
+    from kvpush import proxy
+
+    proxy_command = commands.add_parser(
+        "proxy",
+        help="OpenAI-compatible router: both legs of each request to P and D at once",
+        description=(
+            "Serves /v1/completions and /v1/chat/completions (streaming too), /v1/models and "
+            "/health. Each request goes to a prefill server with max_tokens=1 and to a decode "
+            "server with the prefill server's coordinates, concurrently, with one X-Request-Id "
+            "and one transfer_id; D's answer is relayed to the client as it comes. Prefill and "
+            "decode servers are chosen round-robin. Logs one line per request."
+        ),
+    )
+    proxy.add_arguments(proxy_command)
+    proxy_command.set_defaults(run=_proxy)
 
     version = commands.add_parser("version", help="print the kvpush and protocol versions")
     version.set_defaults(run=_version)

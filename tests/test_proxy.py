@@ -1,0 +1,563 @@
+"""``kvpush proxy`` against fake P and D servers (no vLLM): the legs each side receives, how
+D's answer reaches the client, and what the client gets when a leg fails.
+
+The fakes are small ThreadingHTTPServers that record every request. Concurrency and
+streaming are proven with events, not clocks: the fake P answers only once the fake D holds
+its leg, and the fake D sends its last chunk only once the client has read the first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import select
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from kvpush import cli
+from kvpush.proxy import PrefillInstance, ProxyServer, Timeouts, parse_prefill
+
+JSON = dict[str, Any]
+WAIT_S = 2.0
+SSE = [b'data: {"n": 0}\n\n', b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
+
+
+# --- fake P and D servers ----------------------------------------------------------------------
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: JSON
+
+    @property
+    def request_id(self) -> str:
+        return self.headers["X-Request-Id"]
+
+    @property
+    def params(self) -> JSON:
+        params: JSON = self.body["kv_transfer_params"]
+        return params
+
+
+class FakeHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _FakeHTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    def do_POST(self) -> None:
+        self._handle()
+
+    def _handle(self) -> None:
+        data = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        received = Received(self.path, dict(self.headers.items()), json.loads(data or b"{}"))
+        self.server.fake.record(received)
+        self.server.fake.respond(self, received)
+
+    def send_json(self, status: int, payload: JSON) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def start_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def send_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def end_stream(self) -> None:
+        self.wfile.write(b"0\r\n\r\n")
+
+    def peer_closed(self, timeout_s: float) -> bool:
+        """Whether the proxy closes this connection within ``timeout_s``."""
+        readable, _, _ = select.select([self.connection], [], [], timeout_s)
+        if not readable:
+            return False
+        try:
+            peeked: bytes = self.connection.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return True
+        return peeked == b""
+
+
+Respond = Callable[[FakeHandler, Received], None]
+
+
+class _FakeHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    fake: Fake
+
+
+class Fake:
+    """A P or D stand-in: records what arrives, answers with ``respond``."""
+
+    def __init__(self, respond: Respond) -> None:
+        self.respond = respond
+        self.received: list[Received] = []
+        self.arrived = threading.Event()
+        self._lock = threading.Lock()
+        self._httpd = _FakeHTTPServer(("127.0.0.1", 0), FakeHandler)
+        self._httpd.fake = self
+        threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def record(self, received: Received) -> None:
+        with self._lock:
+            self.received.append(received)
+        self.arrived.set()
+
+    def only(self) -> Received:
+        assert len(self.received) == 1, f"expected one request, got {self.received}"
+        return self.received[0]
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def answer(status: int, payload: JSON) -> Respond:
+    def respond(handler: FakeHandler, _received: Received) -> None:
+        handler.send_json(status, payload)
+
+    return respond
+
+
+@pytest.fixture
+def fakes() -> Iterator[Callable[[Respond], Fake]]:
+    made: list[Fake] = []
+
+    def make(respond: Respond) -> Fake:
+        made.append(Fake(respond))
+        return made[-1]
+
+    yield make
+    for fake in made:
+        fake.stop()
+
+
+def prefill_at(fake: Fake, n: int = 0, *, tp: int = 1, pp: int = 1) -> PrefillInstance:
+    return PrefillInstance(fake.url, f"engine-p{n}", f"10.0.0.{n + 1}", 5600 + n, tp=tp, pp=pp)
+
+
+@contextlib.contextmanager
+def proxy(
+    prefill: list[PrefillInstance], decode: list[str], timeouts: Timeouts | None = None
+) -> Iterator[ProxyServer]:
+    server = ProxyServer(
+        prefill=prefill, decode=decode, host="127.0.0.1", port=0, timeouts=timeouts
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def request(
+    server: ProxyServer, method: str, path: str, body: JSON | None = None
+) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
+    host, port = server.address
+    connection = http.client.HTTPConnection(host, port, timeout=5.0)
+    data = None if body is None else json.dumps(body).encode()
+    connection.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    return connection.getresponse(), connection
+
+
+def call(server: ProxyServer, method: str, path: str, body: JSON | None = None) -> tuple[int, Any]:
+    response, connection = request(server, method, path, body)
+    try:
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def read_event(response: http.client.HTTPResponse) -> bytes:
+    """One SSE event (up to its blank line), as soon as the proxy relays it."""
+    data = b""
+    while not data.endswith(b"\n\n"):
+        piece = response.read1(1024)
+        assert piece, f"stream ended inside an event: {data!r}"
+        data += piece
+    return data
+
+
+def streaming_decode(client_saw_first: threading.Event, log: list[str]) -> Respond:
+    """D streams SSE and sends everything after the first event only once the client has it."""
+
+    def respond(handler: FakeHandler, _received: Received) -> None:
+        handler.start_stream()
+        handler.send_chunk(SSE[0])
+        log.append("first sent")
+        if client_saw_first.wait(WAIT_S):
+            log.append("client had the first before the rest was produced")
+        for event in SSE[1:]:
+            handler.send_chunk(event)
+        handler.end_stream()
+
+    return respond
+
+
+# --- the legs ----------------------------------------------------------------------------------
+
+
+def test_both_legs_arrive_together_with_one_request_and_transfer_id(
+    fakes: Callable[[Respond], Fake],
+) -> None:
+    legs: dict[str, Fake] = {}
+
+    def after(other: str, status: int, payload: JSON) -> Respond:
+        # Each side answers only once the other side holds its leg: both were in flight at once.
+        def respond(handler: FakeHandler, _received: Received) -> None:
+            if legs[other].arrived.wait(WAIT_S):
+                handler.send_json(status, payload)
+            else:
+                handler.send_json(500, {"error": {"message": f"{other} leg never arrived"}})
+
+        return respond
+
+    decoded = {"id": "cmpl-d", "choices": [{"text": " world", "index": 0}]}
+    legs["P"] = fakes(after("D", 200, {"id": "cmpl-p", "choices": [{"text": "!"}]}))
+    legs["D"] = fakes(after("P", 200, decoded))
+    p = prefill_at(legs["P"], tp=2, pp=3)
+    client_body = {"model": "m", "prompt": "hello", "max_tokens": 16, "temperature": 0.0}
+    with proxy([p], [legs["D"].url]) as server:
+        response, connection = request(server, "POST", "/v1/completions", client_body)
+        status, payload = response.status, json.loads(response.read())
+        client_request_id = response.getheader("X-Request-Id")
+        connection.close()
+
+    assert (status, payload) == (200, decoded)
+    p_leg, d_leg = legs["P"].only(), legs["D"].only()
+    request_id, transfer_id = p_leg.request_id, p_leg.params["transfer_id"]
+    assert uuid.UUID(request_id).version == 4
+    assert uuid.UUID(transfer_id).version == 4
+    assert d_leg.request_id == request_id == client_request_id
+    assert p_leg.path == d_leg.path == "/v1/completions"
+    assert p_leg.body == {
+        **client_body,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": transfer_id,
+        },
+    }
+    assert d_leg.body == {
+        **client_body,
+        "kv_transfer_params": {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_engine_id": "engine-p0",
+            "remote_host": "10.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 2,
+            "pp_size": 3,
+            "remote_request_id": request_id,
+            "transfer_id": transfer_id,
+        },
+    }
+
+
+def test_streaming_relays_each_event_as_decode_produces_it(
+    fakes: Callable[[Respond], Fake],
+) -> None:
+    client_saw_first = threading.Event()
+    log: list[str] = []
+    p = fakes(answer(200, {"choices": [{"text": "!"}]}))
+    d = fakes(streaming_decode(client_saw_first, log))
+    body = {"model": "m", "prompt": "hello", "max_tokens": 8, "stream": True}
+    with proxy([prefill_at(p)], [d.url]) as server:
+        response, connection = request(server, "POST", "/v1/completions", body)
+        assert response.status == 200
+        assert response.getheader("Content-Type") == "text/event-stream"
+        assert response.getheader("Transfer-Encoding") == "chunked"
+        first = read_event(response)
+        client_saw_first.set()
+        rest = response.read()
+        connection.close()
+
+    assert first == SSE[0]
+    assert first + rest == b"".join(SSE)
+    assert log == ["first sent", "client had the first before the rest was produced"]
+    assert p.only().body["stream"] is False
+    assert d.only().body["stream"] is True
+
+
+def test_chat_completions_stream_with_one_token_on_the_prefill_leg(
+    fakes: Callable[[Respond], Fake],
+) -> None:
+    client_saw_first = threading.Event()
+    log: list[str] = []
+    p = fakes(answer(200, {"choices": [{"message": {"content": "!"}}]}))
+    d = fakes(streaming_decode(client_saw_first, log))
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 32,
+        "min_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with proxy([prefill_at(p)], [d.url]) as server:
+        response, connection = request(server, "POST", "/v1/chat/completions", body)
+        assert response.status == 200
+        first = read_event(response)
+        client_saw_first.set()
+        rest = response.read()
+        connection.close()
+
+    assert first + rest == b"".join(SSE)
+    assert log[-1] == "client had the first before the rest was produced"
+    p_leg, d_leg = p.only(), d.only()
+    assert p_leg.path == d_leg.path == "/v1/chat/completions"
+    # stream_options and min_tokens would make vLLM refuse a one-token, non-streamed request.
+    assert p_leg.body == {
+        "model": "m",
+        "messages": body["messages"],
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": d_leg.params["transfer_id"],
+        },
+    }
+    assert {k: v for k, v in d_leg.body.items() if k != "kv_transfer_params"} == body
+    assert d_leg.params["remote_request_id"] == p_leg.request_id == d_leg.request_id
+
+
+def test_round_robin_over_prefill_and_decode_with_each_prefills_coordinates(
+    fakes: Callable[[Respond], Fake],
+) -> None:
+    ps = [fakes(answer(200, {"choices": []})) for _ in range(2)]
+    ds = [fakes(answer(200, {"choices": [{"text": f"d{i}"}]})) for i in range(2)]
+    instances = [prefill_at(p, n, tp=n + 1, pp=2 - n) for n, p in enumerate(ps)]
+    request_ids = []
+    with proxy(instances, [d.url for d in ds]) as server:
+        for i in range(4):
+            response, connection = request(
+                server, "POST", "/v1/completions", {"prompt": f"p{i}", "max_tokens": 4}
+            )
+            assert json.loads(response.read()) == {"choices": [{"text": f"d{i % 2}"}]}
+            request_ids.append(response.getheader("X-Request-Id"))
+            connection.close()
+
+    for n in range(2):
+        assert [r.request_id for r in ps[n].received] == request_ids[n::2]
+        assert [r.request_id for r in ds[n].received] == request_ids[n::2]
+    p_of = {r.request_id: n for n, p in enumerate(ps) for r in p.received}
+    for d in ds:
+        for leg in d.received:
+            n = p_of[leg.request_id]
+            assert leg.params["remote_engine_id"] == instances[n].engine_id
+            assert leg.params["remote_host"] == instances[n].side_channel_host
+            assert leg.params["remote_port"] == instances[n].side_channel_port
+            assert (leg.params["tp_size"], leg.params["pp_size"]) == (n + 1, 2 - n)
+
+
+def test_health_and_models(fakes: Callable[[Respond], Fake]) -> None:
+    models = {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+    p = fakes(answer(200, {}))
+    ds = [fakes(answer(200, models)) for _ in range(3)]
+    with proxy([prefill_at(p)], [d.url for d in ds]) as server:
+        assert call(server, "GET", "/health") == (
+            200,
+            {"status": "ok", "prefill_instances": 1, "decode_instances": 3},
+        )
+        assert call(server, "GET", "/v1/models") == (200, models)
+        status, payload = call(server, "GET", "/nowhere")
+    assert status == 404
+    assert payload["error"]["type"] == "kvpush_proxy_error"
+    assert [len(d.received) for d in ds] == [1, 0, 0]
+    assert p.received == []
+
+
+# --- failures ----------------------------------------------------------------------------------
+
+
+def test_prefill_failure_is_a_502_naming_the_prefill_leg_and_closes_decode(
+    fakes: Callable[[Respond], Fake],
+) -> None:
+    decode_closed = threading.Event()
+
+    def waits_for_prefill(handler: FakeHandler, _received: Received) -> None:
+        # A real D would fail by itself once P fails it over the side channel; this one only
+        # notices that the proxy gave up on it.
+        if handler.peer_closed(WAIT_S):
+            decode_closed.set()
+        else:
+            handler.send_json(200, {"choices": [{"text": "D answered after all"}]})
+
+    p = fakes(answer(500, {"error": {"message": "prefill exploded"}}))
+    d = fakes(waits_for_prefill)
+    with proxy([prefill_at(p)], [d.url], Timeouts(decode_s=WAIT_S + 1)) as server:
+        status, payload = call(server, "POST", "/v1/completions", {"prompt": "x"})
+
+    assert status == 502
+    error = payload["error"]
+    assert (error["type"], error["leg"]) == ("kvpush_proxy_error", "prefill")
+    assert "prefill leg failed: HTTP 500" in error["message"]
+    assert "prefill exploded" in error["message"]
+    assert p.url in error["message"]
+    assert error["request_id"] == p.only().request_id == d.only().request_id
+    assert decode_closed.wait(WAIT_S), "the proxy left D's leg open after P failed"
+
+
+def test_unreachable_prefill_is_a_502_naming_the_prefill_leg(
+    fakes: Callable[[Respond], Fake],
+) -> None:
+    def never_answers(handler: FakeHandler, _received: Received) -> None:
+        handler.peer_closed(WAIT_S)
+
+    d = fakes(never_answers)
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        p_url = f"http://127.0.0.1:{unused.getsockname()[1]}"
+        p = PrefillInstance(p_url, "engine-p", "127.0.0.1", 5600)
+        with proxy([p], [d.url], Timeouts(decode_s=WAIT_S)) as server:
+            status, payload = call(server, "POST", "/v1/completions", {"prompt": "x"})
+
+    assert status == 502
+    assert payload["error"]["leg"] == "prefill"
+    assert f"from {p_url}" in payload["error"]["message"]
+    assert "ConnectionRefusedError" in payload["error"]["message"]
+
+
+def test_unreachable_decode_is_a_502_naming_decode(fakes: Callable[[Respond], Fake]) -> None:
+    p = fakes(answer(200, {"choices": []}))
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        d_url = f"http://127.0.0.1:{unused.getsockname()[1]}"
+        with proxy([prefill_at(p)], [d_url]) as server:
+            status, payload = call(server, "POST", "/v1/completions", {"prompt": "x"})
+            assert p.arrived.wait(WAIT_S), "P's leg was not sent"
+
+    assert status == 502
+    error = payload["error"]
+    assert (error["type"], error["leg"]) == ("kvpush_proxy_error", "decode")
+    assert "decode leg failed: ConnectionRefusedError" in error["message"]
+    assert d_url in error["message"]
+
+
+def test_decode_error_is_passed_back_as_decode_sent_it(fakes: Callable[[Respond], Fake]) -> None:
+    refusal = {"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}
+    p = fakes(answer(200, {"choices": []}))
+    d = fakes(answer(400, refusal))
+    with proxy([prefill_at(p)], [d.url]) as server:
+        assert call(server, "POST", "/v1/completions", {"prompt": "x"}) == (400, refusal)
+
+
+def test_client_hanging_up_mid_stream_closes_the_decode_connection(
+    fakes: Callable[[Respond], Fake],
+) -> None:
+    decode_saw = threading.Event()
+    sent: list[int] = []
+
+    def endless(handler: FakeHandler, _received: Received) -> None:
+        handler.start_stream()
+        try:
+            for n in range(1000):
+                handler.send_chunk(b'data: {"n": %d}\n\n' % n)
+                sent.append(n)
+                decode_saw.wait(0.005)
+        except OSError:  # BrokenPipeError / ConnectionResetError: the proxy hung up on D
+            decode_saw.set()
+
+    p = fakes(answer(200, {"choices": []}))
+    d = fakes(endless)
+    with proxy([prefill_at(p)], [d.url]) as server:
+        response, connection = request(
+            server, "POST", "/v1/completions", {"prompt": "x", "stream": True}
+        )
+        assert read_event(response).startswith(b"data: ")
+        connection.close()
+        assert decode_saw.wait(WAIT_S), "D kept streaming to a client that hung up"
+    assert len(sent) < 1000
+
+
+def test_a_malformed_body_is_a_400_and_sends_no_leg(fakes: Callable[[Respond], Fake]) -> None:
+    p, d = fakes(answer(200, {})), fakes(answer(200, {}))
+    with proxy([prefill_at(p)], [d.url]) as server:
+        host, port = server.address
+        connection = http.client.HTTPConnection(host, port, timeout=5.0)
+        connection.request("POST", "/v1/completions", body=b"{not json")
+        response = connection.getresponse()
+        status, payload = response.status, json.loads(response.read())
+        connection.close()
+    assert status == 400
+    assert "not JSON" in payload["error"]["message"]
+    assert p.received == d.received == []
+
+
+# --- configuration -----------------------------------------------------------------------------
+
+
+def test_prefill_spec() -> None:
+    assert parse_prefill("http://p:8100,engine_id=P0,side_channel=10.1.2.3:5601,tp=2,pp=4") == (
+        PrefillInstance("http://p:8100", "P0", "10.1.2.3", 5601, tp=2, pp=4)
+    )
+    assert parse_prefill("http://p:8100,engine_id=P0,side_channel=[::1]:5600") == (
+        PrefillInstance("http://p:8100", "P0", "::1", 5600)
+    )
+    for spec, reason in [
+        ("http://p:8100,side_channel=h:1", "engine_id= is required"),
+        ("http://p:8100,engine_id=P0", "side_channel= is required"),
+        ("http://p:8100,engine_id=P0,side_channel=h", "HOST:PORT"),
+        ("http://p:8100,engine_id=P0,side_channel=h:1,dp=2", "unknown option 'dp=2'"),
+        ("http://p:8100,engine_id=P0,side_channel=h:1,tp=0", "tp=0 pp=1 must be >= 1"),
+        ("p:8100,engine_id=P0,side_channel=h:1", "http:// or https://"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            parse_prefill(spec)
+
+
+def test_cli_proxy_subcommand_parses_instances() -> None:
+    args = cli.build_parser().parse_args(
+        [
+            "proxy",
+            "--port",
+            "9000",
+            "--prefill",
+            "http://p0:8100,engine_id=P0,side_channel=p0:5600",
+            "--prefill",
+            "http://p1:8100,engine_id=P1,side_channel=p1:5600,tp=2",
+            "--decode",
+            "http://d0:8200",
+            "--decode-timeout",
+            "30",
+        ]
+    )
+    assert args.command == "proxy"
+    assert args.port == 9000
+    assert args.prefill == [
+        PrefillInstance("http://p0:8100", "P0", "p0", 5600),
+        PrefillInstance("http://p1:8100", "P1", "p1", 5600, tp=2),
+    ]
+    assert args.decode == ["http://d0:8200"]
+    assert args.decode_timeout == 30.0
+    assert callable(args.run)
