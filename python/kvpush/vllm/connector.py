@@ -339,7 +339,9 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return self._work.take_load_errors()
 
     def get_kv_connector_stats(self) -> KvPushStats | None:
-        stats = self._work.take_stats()
+        if self._worker is None:
+            return None  # vLLM asks the scheduler too; transfers are counted by the workers
+        stats = self._worker.take_stats()
         return None if stats is None else KvPushStats(data=stats)
 
     def shutdown(self) -> None:
