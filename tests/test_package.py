@@ -51,7 +51,7 @@ def test_version_command(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_demo_runs_end_to_end_and_verifies_bytes() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvpush.cli", "demo", "--requests", "8", "--layers", "2"],
+        [sys.executable, "-m", "kvpush.cli", "demo", "--core", "--requests", "8", "--layers", "2"],
         capture_output=True,
         text=True,
         timeout=120,

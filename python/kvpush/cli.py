@@ -10,12 +10,32 @@ import kvpush
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvpush.demo import run_demo
+    if args.core:
+        from kvpush.demo import run_demo
 
-    ok = run_demo(
-        requests=args.requests, layers=args.layers, seed=args.seed, secret=not args.no_secret
+        ok = run_demo(
+            requests=args.requests or 24,
+            layers=args.layers,
+            seed=args.seed,
+            secret=not args.no_secret,
+        )
+        return 0 if ok else 1
+
+    from pathlib import Path
+
+    from kvpush import demo_vllm
+
+    return demo_vllm.run(
+        demo_vllm.DemoOptions(
+            requests=args.requests or 8,
+            lengths=tuple(args.lengths),
+            max_tokens=args.max_tokens,
+            keep_running=args.keep_running,
+            run_dir=Path(args.run_dir) if args.run_dir else None,
+            model_dir=Path(args.model_dir) if args.model_dir else None,
+            seed=args.seed,
+        )
     )
-    return 0 if ok else 1
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
@@ -58,18 +78,49 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="walk the core through request lifecycles and verify every byte",
+        help="a vLLM prefill/decode pair on localhost with kvpush: TTFT and per-request timelines",
         description=(
-            "Drives the rendezvous table, the planner and the kvpush/1 codec through request "
-            "lifecycles in one process: P and D halves arrive in random order, registrations "
-            "travel as signed frames, plans are applied by an in-process memcpy (the NIXL data "
-            "path is not used here) and D's memory is checked byte for byte."
+            "Makes a tiny random-weight model (nothing is downloaded), starts a vLLM prefill "
+            "server and a decode server with kvpush's connector and kvpush's proxy, streams "
+            "completions through the proxy and prints TTFT, each request's transfer timeline "
+            "and where D's KV came from. Needs the vLLM CPU stack (scripts/setup-vllm); "
+            "`scripts/dev demo` sets everything up. With --core: the core alone, in one "
+            "process (rendezvous table, planner, kvpush/1 codec, an in-process memcpy standing "
+            "in for NIXL), D's memory checked byte for byte."
         ),
     )
-    demo.add_argument("--requests", type=int, default=24, help="requests to run (default 24)")
-    demo.add_argument("--layers", type=int, default=8, help="model layers (default 8)")
+    demo.add_argument(
+        "--core", action="store_true", help="the in-process core walkthrough instead (no vLLM)"
+    )
+    demo.add_argument("--requests", type=int, help="requests to send (default 8; with --core 24)")
+    demo.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[256, 1024, 2048],
+        metavar="N",
+        help="prompt lengths in tokens, used in turn (default 256 1024 2048)",
+    )
+    demo.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens to generate per request (default 16)"
+    )
+    demo.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="leave the servers and the proxy up after the report, until Ctrl-C",
+    )
+    demo.add_argument(
+        "--run-dir", help="where logs and timelines go (default ~/.cache/kvpush/runs/<time>)"
+    )
+    demo.add_argument(
+        "--model-dir",
+        help="where the tiny model is made or reused (default ~/.cache/kvpush/tiny-qwen3)",
+    )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    demo.add_argument("--no-secret", action="store_true", help="send unsigned control messages")
+    demo.add_argument("--layers", type=int, default=8, help="--core: model layers (default 8)")
+    demo.add_argument(
+        "--no-secret", action="store_true", help="--core: send unsigned control messages"
+    )
     demo.set_defaults(run=_demo)
 
     bench = commands.add_parser(
