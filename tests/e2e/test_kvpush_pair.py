@@ -1,33 +1,40 @@
 """kvpush's connector in real vLLM servers: a prefill server (P) and a decode server (D) on
-loopback, driven the way vLLM's push router drives them (both legs at once, one transfer_id).
+loopback behind ``kvpush proxy``, which sends both legs at once with one transfer_id.
 
-D's greedy continuation must equal a plain single server's (token ids, and log-probabilities
-within 1e-3, which catches a wrong block even where the ids do not: see
-``test_upstream_smoke.py``), and D's metrics must show that every prompt token came from P.
+* D's greedy continuation equals a plain single server's: token ids, and log-probabilities
+  within 1e-3 (which catches a wrong block even where the ids do not: see
+  ``test_upstream_smoke.py``), sequentially and with concurrent requests;
+* D's metrics show that every prompt token came from P (``source="p2p"``);
+* a client that hangs up mid-way (while D still waits for the KV, or mid-stream) leaves both
+  servers healthy: nothing stays running, and the next request is still exact.
 
 vLLM's CPU attention keeps K transposed inside a block, so its blocks move whole and P and D
-need the same block size there (``KVPUSH_E2E_BLOCKS=P,D`` overrides; the planner's block-size
-translation is covered by the unit, property and two-process tests).
+need the same block size there (``KVPUSH_E2E_BLOCKS=P,D`` overrides; block-size translation is
+covered by the unit, property and two-process tests). The single server runs before the pair,
+so at most two servers share the two cores.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import http.client
 import importlib.util
 import json
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.e2e.harness import (
-    PrefillEndpoint,
+    HOST,
     VllmServer,
     completion_logprobs,
     completion_token_ids,
     metric_value,
-    push_completion,
     running,
 )
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
@@ -40,20 +47,20 @@ pytestmark = [
     ),
 ]
 
-PROMPT_LENGTHS = (300, 1000, 2100)
-P_BLOCK, D_BLOCK = (int(x) for x in os.environ.get("KVPUSH_E2E_BLOCKS", "128,128").split(","))
+SEQUENTIAL = (300, 1000, 2100)
+CONCURRENT = (500, 700, 900, 1100)
 LOGPROB_TOLERANCE = 1e-3
 PREFILL_ENGINE_ID = "kvpush-e2e-prefill"
-SECRET = "kvpush-e2e-shared-secret"
+P_BLOCK, D_BLOCK = (int(x) for x in os.environ.get("KVPUSH_E2E_BLOCKS", "128,128").split(","))
 
 
-def kvpush_config(role: str, **extra: object) -> dict[str, object]:
+def kvpush_config(role: str, secret: str) -> dict[str, object]:
     return {
         "kv_connector": "KvPushConnector",
         "kv_connector_module_path": "kvpush.vllm",
         "kv_role": role,
         "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"secret": SECRET, **extra},
+        "kv_connector_extra_config": {"secret": secret},
     }
 
 
@@ -64,62 +71,174 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
 
 
-@pytest.fixture
-def log_dir(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "logs"
+@pytest.fixture(scope="module")
+def prompts(tiny_model: Path) -> dict[int, list[int]]:
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    return {n: prompt_token_ids(n, vocab, seed=n) for n in SEQUENTIAL + CONCURRENT}
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("logs")
     yield path
     print(f"server logs: {path}")
 
 
-def test_kvpush_pair_matches_single_server(tiny_model: Path, log_dir: Path) -> None:
-    started = time.monotonic()
-    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
-    prompts = [prompt_token_ids(n, vocab, seed=n) for n in PROMPT_LENGTHS]
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path, prompts: dict[int, list[int]], logs: Path) -> dict[int, Any]:
+    """What a plain single server answers, before the pair starts."""
+    single = VllmServer("single", tiny_model, logs, cpu="0")
+    with running(single):
+        return {
+            n: single.post("/v1/completions", greedy_body(tiny_model, p))
+            for n, p in prompts.items()
+        }
 
+
+class Pair:
+    def __init__(self, prefill: VllmServer, decode: VllmServer, proxy: Any) -> None:
+        self.prefill, self.decode, self.proxy = prefill, decode, proxy
+        self.host, self.port = proxy.address
+
+    def complete(self, body: dict[str, Any], timeout: float = 300.0) -> Any:
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            connection.request(
+                "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+            )
+            response = connection.getresponse()
+            payload = response.read()
+            assert response.status == 200, f"proxy answered {response.status}: {payload!r}"
+            return json.loads(payload)
+        finally:
+            connection.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
+    from kvpush.proxy import PrefillInstance, ProxyServer
+
+    secret = secrets.token_hex(16)
     prefill = VllmServer(
         "prefill",
         tiny_model,
-        log_dir,
+        logs,
         cpu="0",
-        kv_transfer_config={**kvpush_config("kv_producer"), "engine_id": PREFILL_ENGINE_ID},
+        kv_transfer_config={
+            **kvpush_config("kv_producer", secret),
+            "engine_id": PREFILL_ENGINE_ID,
+        },
         extra_args=["--block-size", str(P_BLOCK)],
     )
     decode = VllmServer(
         "decode",
         tiny_model,
-        log_dir,
+        logs,
         cpu="1",
-        kv_transfer_config=kvpush_config("kv_consumer"),
+        kv_transfer_config=kvpush_config("kv_consumer", secret),
         extra_args=["--no-enable-prefix-caching", "--block-size", str(D_BLOCK)],
     )
     with running(prefill, decode):
-        endpoint = PrefillEndpoint(prefill, PREFILL_ENGINE_ID)
-        disaggregated = []
-        for prompt in prompts:
-            t0 = time.monotonic()
-            result = push_completion(endpoint, decode, greedy_body(tiny_model, prompt))
-            print(
-                f"{len(prompt)} prompt tokens through kvpush P/D: {time.monotonic() - t0:.2f} s "
-                f"(P leg {result.prefill_s:.2f} s, D leg {result.decode_s:.2f} s)"
-            )
-            disaggregated.append(result.decode)
-        d_metrics = decode.metrics()
+        proxy = ProxyServer(
+            prefill=[
+                PrefillInstance(prefill.url, PREFILL_ENGINE_ID, HOST, prefill.side_channel_port)
+            ],
+            decode=[decode.url],
+            host="127.0.0.1",
+            port=0,
+        )
+        proxy.start()
+        try:
+            yield Pair(prefill, decode, proxy)
+        finally:
+            proxy.stop()
 
-    single = VllmServer("single", tiny_model, log_dir, cpu="0")
-    with running(single):
-        reference = [single.post("/v1/completions", greedy_body(tiny_model, p)) for p in prompts]
 
-    prompt_tokens = metric_value(d_metrics, "vllm:prompt_tokens_total")
-    from_p2p = metric_value(d_metrics, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
-    print(
-        f"D: prompt tokens {prompt_tokens:.0f}, from p2p {from_p2p:.0f}; "
-        f"test {time.monotonic() - started:.0f} s"
+def assert_same(n: int, got: Any, want: Any) -> None:
+    ids, want_ids = completion_token_ids(got), completion_token_ids(want)
+    assert ids == want_ids, f"{n}-token prompt: D {ids} != single server {want_ids}"
+    assert completion_logprobs(got) == pytest.approx(
+        completion_logprobs(want), abs=LOGPROB_TOLERANCE
+    ), f"{n}-token prompt: D's log-probabilities differ from the single server's"
+
+
+def test_sequential_requests_match_a_single_server(
+    pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
+) -> None:
+    for n in SEQUENTIAL:
+        started = time.monotonic()
+        got = pair.complete(greedy_body(tiny_model, prompts[n]))
+        print(f"{n} prompt tokens through kvpush: {time.monotonic() - started:.2f} s")
+        assert_same(n, got, reference[n])
+
+
+def test_concurrent_requests_match_a_single_server(
+    pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
+) -> None:
+    with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
+        futures = {
+            n: pool.submit(pair.complete, greedy_body(tiny_model, prompts[n])) for n in CONCURRENT
+        }
+        for n, future in futures.items():
+            assert_same(n, future.result(), reference[n])
+
+
+def test_every_prompt_token_came_from_p(pair: Pair) -> None:
+    metrics = pair.decode.metrics()
+    prompt_tokens = metric_value(metrics, "vllm:prompt_tokens_total")
+    from_p2p = metric_value(metrics, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+    print(f"D: prompt tokens {prompt_tokens:.0f}, from p2p {from_p2p:.0f}")
+    assert prompt_tokens == sum(SEQUENTIAL) + sum(CONCURRENT)
+    assert from_p2p == prompt_tokens, "D computed part of a prompt instead of receiving it"
+
+
+def abandon(pair: Pair, body: dict[str, Any], after_chunks: int) -> None:
+    """Sends a streaming request and hangs up after ``after_chunks`` SSE lines (0: at once)."""
+    connection = http.client.HTTPConnection(pair.host, pair.port, timeout=120)
+    connection.request(
+        "POST", "/v1/completions", json.dumps({**body, "stream": True}),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    if after_chunks:
+        response = connection.getresponse()
+        assert response.status == 200
+        received = 0
+        while received < after_chunks:
+            line = response.fp.readline()
+            assert line, "the stream ended before the client hung up"
+            received += line.startswith(b"data:")
+    connection.close()
+
+
+def running_requests(server: VllmServer) -> float:
+    metrics = server.metrics()
+    return metric_value(metrics, "vllm:num_requests_running") + metric_value(
+        metrics, "vllm:num_requests_waiting"
     )
-    for prompt, d_response, single_response in zip(prompts, disaggregated, reference, strict=True):
-        got, want = completion_token_ids(d_response), completion_token_ids(single_response)
-        got_lp, want_lp = completion_logprobs(d_response), completion_logprobs(single_response)
-        print(f"{len(prompt)}-token prompt: D {got}\n{'':>19}single {want}")
-        assert got == want, f"{len(prompt)}-token prompt: D {got} != single server {want}"
-        assert got_lp == pytest.approx(want_lp, abs=LOGPROB_TOLERANCE)
-    assert prompt_tokens == sum(PROMPT_LENGTHS)
-    assert from_p2p == prompt_tokens, "D computed part of the prompt instead of receiving it"
+
+
+def healthy(server: VllmServer) -> bool:
+    connection = http.client.HTTPConnection(HOST, server.port, timeout=10)
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        connection.close()
+
+
+def test_client_hanging_up_leaves_both_servers_healthy(
+    pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
+) -> None:
+    long_answer = {**greedy_body(tiny_model, prompts[2100]), "max_tokens": 400}
+    abandon(pair, long_answer, after_chunks=0)  # while D still waits for P's KV
+    abandon(pair, long_answer, after_chunks=3)  # mid-stream
+    deadline = time.monotonic() + 60.0
+    while running_requests(pair.decode) or running_requests(pair.prefill):
+        assert time.monotonic() < deadline, "aborted requests are still running after 60 s"
+        time.sleep(0.5)
+    for server in (pair.prefill, pair.decode):
+        assert healthy(server), f"{server.name} is unhealthy after the aborts"
+    got = pair.complete(greedy_body(tiny_model, prompts[1000]))
+    assert_same(1000, got, reference[1000])
