@@ -31,6 +31,7 @@ import json
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -440,6 +441,14 @@ class _HTTPServer(ThreadingHTTPServer):
         self._active: set[_Exchange] = set()
         self._active_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up is ordinary; anything else is logged with its traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionResetError, BrokenPipeError)):
+            logger.debug("client %s hung up: %s", client_address, error)
+            return
+        super().handle_error(request, client_address)
 
     def track(self, exchange: _Exchange, active: bool) -> None:
         with self._active_lock:

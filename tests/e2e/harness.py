@@ -323,9 +323,11 @@ def clean_shm(before: set[str]) -> list[str]:
     """Remove /dev/shm entries created since ``before`` that no live process uses.
 
     A killed server can leave its KV cache there (hundreds of MB). Entries still mapped are
-    skipped: they may belong to another server running on this machine.
+    skipped: they may belong to another server running on this machine. Named semaphores
+    (``sem.*``) are always kept: glibc maps one under a temporary name, so a live one looks
+    unused, and removing it breaks the other server (``kvpush.servers.clean_shm`` does the same).
     """
-    new = _shm_entries() - before
+    new = {name for name in _shm_entries() - before if not name.startswith("sem.")}
     if not new:
         return []
     in_use = _shm_in_use()
