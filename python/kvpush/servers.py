@@ -211,15 +211,15 @@ class VllmServer:
         if process is None:
             return None
         if process.poll() is None:
-            _signal_group(process.pid, signal.SIGTERM)
+            signal_group(process.pid, signal.SIGTERM)
             try:
                 process.wait(grace_s)
             except subprocess.TimeoutExpired:
-                _signal_group(process.pid, signal.SIGKILL)
+                signal_group(process.pid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(10.0)
         # The engine core and worker children share the group; make sure none outlived it.
-        _signal_group(process.pid, signal.SIGKILL)
+        signal_group(process.pid, signal.SIGKILL)
         if clean:
             clean_shm(self._shm_before)
         return process.returncode
@@ -340,13 +340,14 @@ def stop_all(servers: Sequence[VllmServer], shm_before: set[str]) -> list[str]:
     """Stop every server (their groups together), then clean ``/dev/shm`` once."""
     for server in servers:
         if server.process is not None and server.process.poll() is None:
-            _signal_group(server.process.pid, signal.SIGTERM)
+            signal_group(server.process.pid, signal.SIGTERM)
     for server in servers:
         server.stop(clean=False)
     return clean_shm(shm_before)
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Sends ``sig`` to process group ``pgid``; a group already gone is not an error."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
 

@@ -10,7 +10,10 @@ where they are skipped):
 * The proxy legs of a disaggregated request: :func:`push_completion` sends the prefill (P) and
   decode (D) legs concurrently the way vLLM's push demo proxy does;
   :func:`pull_completion` sends P then D with P's returned ``kv_transfer_params``.
-* :func:`parse_metrics` / :meth:`VllmServer.metric`: Prometheus counters from ``/metrics``.
+* :meth:`VllmServer.metric`: Prometheus counters from ``/metrics``.
+
+Ports, process groups, ``/dev/shm`` clean-up and metrics parsing are :mod:`kvpush.servers`'
+(the demo's launcher), shared rather than copied.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,18 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SHM = Path("/dev/shm")
-HOST = "127.0.0.1"
+from kvpush.servers import (
+    HOST,
+    clean_shm,
+    free_port,
+    metric_value,
+    parse_metrics,
+    shm_entries,
+    signal_group,
+)
 
 JSON = dict[str, Any]
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now (the kernel's choice, so parallel runs differ)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -126,7 +127,7 @@ class VllmServer:
         if self.process is not None:
             raise RuntimeError(f"{self.name}: already started (pid {self.process.pid})")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._shm_before = _shm_entries()
+        self._shm_before = shm_entries()
         with self.log_path.open("wb") as log:
             log.write(
                 f"# {' '.join(self.command())}\n# VLLM_CPU_OMP_THREADS_BIND={self.cpu} "
@@ -184,15 +185,15 @@ class VllmServer:
         if process is None:
             return
         if process.poll() is None:
-            _signal_group(process.pid, signal.SIGTERM)
+            signal_group(process.pid, signal.SIGTERM)
             try:
                 process.wait(grace_s)
             except subprocess.TimeoutExpired:
                 print(f"[{self.name}] still running {grace_s:.0f} s after SIGTERM: SIGKILL")
-                _signal_group(process.pid, signal.SIGKILL)
+                signal_group(process.pid, signal.SIGKILL)
                 process.wait(10.0)
         # The engine core and worker children share the group; make sure none outlived it.
-        _signal_group(process.pid, signal.SIGKILL)
+        signal_group(process.pid, signal.SIGKILL)
         print(f"[{self.name}] stopped (exit {process.returncode})")
         if clean:
             removed = clean_shm(self._shm_before)
@@ -255,7 +256,7 @@ def running(*servers: VllmServer, timeout_s: float = 300.0) -> Iterator[tuple[Vl
     The servers are waited for concurrently, so each one's ``ready_after_s`` is its own.
     ``/dev/shm`` is cleaned once, after the last one stopped.
     """
-    shm_before = _shm_entries()
+    shm_before = shm_entries()
     try:
         for server in servers:
             server.start()
@@ -286,57 +287,6 @@ def _wait_all_healthy(servers: Sequence[VllmServer], timeout_s: float) -> None:
         thread.join()
     if errors:
         raise errors[0]
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _shm_entries() -> set[str]:
-    try:
-        return {entry.name for entry in SHM.iterdir()}
-    except OSError:
-        return set()
-
-
-def _shm_in_use() -> set[str]:
-    """Names under /dev/shm that some live process has mapped or open."""
-    used: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            for line in (proc / "maps").read_text().splitlines():
-                if " /dev/shm/" in line:
-                    used.add(line.split(" /dev/shm/", 1)[1].split()[0])
-        with contextlib.suppress(OSError):
-            for fd in (proc / "fd").iterdir():
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith("/dev/shm/"):
-                        used.add(target[len("/dev/shm/") :].split()[0])
-    return used
-
-
-def clean_shm(before: set[str]) -> list[str]:
-    """Remove /dev/shm entries created since ``before`` that no live process uses.
-
-    A killed server can leave its KV cache there (hundreds of MB). Entries still mapped are
-    skipped: they may belong to another server running on this machine. Named semaphores
-    (``sem.*``) are always kept: glibc maps one under a temporary name, so a live one looks
-    unused, and removing it breaks the other server (``kvpush.servers.clean_shm`` does the same).
-    """
-    new = {name for name in _shm_entries() - before if not name.startswith("sem.")}
-    if not new:
-        return []
-    in_use = _shm_in_use()
-    removed = []
-    for name in sorted(new - in_use):
-        with contextlib.suppress(OSError):
-            (SHM / name).unlink()
-            removed.append(name)
-    return removed
 
 
 # --- the proxy legs --------------------------------------------------------------------------
@@ -488,48 +438,3 @@ def completion_logprobs(response: JSON) -> list[float]:
 
 
 # --- /metrics --------------------------------------------------------------------------------
-
-
-def parse_metrics(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """Prometheus text format to ``{(name, labels): value}`` (comments and NaN skipped)."""
-    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name, rest = line.split("{", 1)
-            label_text, value_text = rest.rsplit("}", 1)
-            labels = frozenset(_parse_labels(label_text))
-        else:
-            name, value_text = line.split(None, 1)
-            labels = frozenset()
-        value = float(value_text.split()[0])
-        if value == value:  # not NaN
-            samples[(name, labels)] = value
-    return samples
-
-
-def _parse_labels(text: str) -> Iterator[tuple[str, str]]:
-    i = 0
-    while i < len(text):
-        eq = text.index("=", i)
-        key = text[i:eq].strip().lstrip(",").strip()
-        j = eq + 2  # past ="
-        value = []
-        while text[j] != '"':
-            if text[j] == "\\":
-                j += 1
-            value.append(text[j])
-            j += 1
-        yield key, "".join(value)
-        i = j + 1
-        while i < len(text) and text[i] in ", ":
-            i += 1
-
-
-def metric_value(
-    samples: Mapping[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
-) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    wanted = set(labels.items())
-    return sum(value for (n, ls), value in samples.items() if n == name and wanted <= ls)

@@ -29,12 +29,11 @@ from typing import Any
 
 import pytest
 
+from kvpush.servers import HOST, metric_value
 from tests.e2e.harness import (
-    HOST,
     VllmServer,
     completion_logprobs,
     completion_token_ids,
-    metric_value,
     running,
 )
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids

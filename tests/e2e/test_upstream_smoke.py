@@ -31,12 +31,12 @@ from pathlib import Path
 
 import pytest
 
+from kvpush.servers import metric_value
 from tests.e2e.harness import (
     PrefillEndpoint,
     VllmServer,
     completion_logprobs,
     completion_token_ids,
-    metric_value,
     pull_completion,
     push_completion,
     running,
