@@ -3,22 +3,10 @@ moves the bytes D checks, and the report has its rows and ratios. Timings are no
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-import pytest
-
-import kvpush
-
-
-def nixl_or_skip() -> None:
-    try:
-        kvpush.nixl.library_path()
-    except kvpush.exceptions.NixlUnavailableError as error:
-        if os.environ.get("KVPUSH_REQUIRE_NIXL"):
-            raise
-        pytest.skip(f"NIXL is not installed: {error}")
+from tests.conftest import nixl_or_skip
 
 
 def test_bench_transfer_runs_and_prints_both_rows_and_ratios() -> None:

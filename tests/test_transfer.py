@@ -10,7 +10,6 @@ it, and nothing else touched.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 
-import kvpush
+from tests.conftest import nixl_or_skip
 from tests.peers import CacheShape, RemoteWorker, Request, Worker
 
 P_SHAPE = CacheShape(layers=4, num_blocks=256, block_tokens=16)
@@ -30,15 +29,6 @@ TRANSPORTS = {
     "nixl": UCX_LOOPBACK,
     "nixl-tcp": {**UCX_LOOPBACK, "UCX_TLS": "tcp"},
 }
-
-
-def nixl_or_skip() -> None:
-    try:
-        kvpush.nixl.library_path()
-    except kvpush.exceptions.NixlUnavailableError as error:
-        if os.environ.get("KVPUSH_REQUIRE_NIXL"):
-            raise
-        pytest.skip(f"NIXL is not installed: {error}")
 
 
 class Pair:

@@ -141,6 +141,19 @@ impl RendezvousTable {
             Some(now) => Ok(self.origin + seconds(now, "now")?),
         }
     }
+
+    /// An arrival's key, its time and its deadline, from the Python arguments.
+    fn arrival(
+        &self,
+        request_id: &str,
+        transfer_id: Option<&str>,
+        ttl: f64,
+        now: Option<f64>,
+    ) -> PyResult<(TransferKey, Instant, Instant)> {
+        let now = self.instant(now)?;
+        let deadline = now + seconds(ttl, "ttl")?;
+        Ok((TransferKey::for_request(transfer_id, request_id), now, deadline))
+    }
 }
 
 #[pymethods]
@@ -176,9 +189,7 @@ impl RendezvousTable {
         transfer_id: Option<&str>,
         now: Option<f64>,
     ) -> PyResult<Arrival> {
-        let key = TransferKey::for_request(transfer_id, request_id);
-        let now = self.instant(now)?;
-        let deadline = now + seconds(ttl, "ttl")?;
+        let (key, now, deadline) = self.arrival(request_id, transfer_id, ttl, now)?;
         let arrival =
             native(py, || self.table.register(key.clone(), epoch, payload, deadline, now))?;
         Ok(Arrival::from_core(py, &key, Some(epoch), arrival))
@@ -195,9 +206,7 @@ impl RendezvousTable {
         transfer_id: Option<&str>,
         now: Option<f64>,
     ) -> PyResult<Arrival> {
-        let key = TransferKey::for_request(transfer_id, request_id);
-        let now = self.instant(now)?;
-        let deadline = now + seconds(ttl, "ttl")?;
+        let (key, now, deadline) = self.arrival(request_id, transfer_id, ttl, now)?;
         let ready = Arc::new(payload);
         let arrival = native(py, || self.table.ready(key.clone(), ready, deadline, now))?;
         Ok(Arrival::from_core(py, &key, None, arrival))
