@@ -46,7 +46,21 @@ def test_p_and_d_request_ids_share_a_key(request_id: str, key: str) -> None:
 
 def test_version_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["version"]) == 0
-    assert f"kvpush/{kvpush.PROTOCOL_VERSION}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"kvpush/{kvpush.PROTOCOL_VERSION}" in out
+    assert "NIXL" in out
+
+
+def test_nixl_version_comes_from_the_wheel_that_ships_the_library() -> None:
+    import importlib.metadata
+
+    path = "/x/site-packages/.nixl_cu12.mesonpy.libs/libnixl_capi.so"
+    try:
+        expected: str | None = importlib.metadata.version("nixl-cu12")
+    except importlib.metadata.PackageNotFoundError:
+        expected = None
+    assert kvpush.nixl.library_version(path) == expected
+    assert kvpush.nixl.library_version("/elsewhere/libnixl_capi.so") is None
 
 
 def test_demo_runs_end_to_end_and_verifies_bytes() -> None:

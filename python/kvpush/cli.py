@@ -67,6 +67,12 @@ def _proxy(args: argparse.Namespace) -> int:
 
 def _version(_args: argparse.Namespace) -> int:
     print(f"kvpush {kvpush.__version__} (protocol kvpush/{kvpush.PROTOCOL_VERSION})")
+    try:
+        path = kvpush.nixl.library_path()
+    except kvpush.exceptions.NixlUnavailableError as error:
+        print(f"NIXL: not found ({error})")
+    else:
+        print(f"NIXL {kvpush.nixl.library_version(path) or '(version unknown)'}: {path}")
     return 0
 
 

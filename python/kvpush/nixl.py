@@ -8,6 +8,7 @@ module is already imported in this process, its copy is used, so both share one 
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -52,3 +53,21 @@ def library_path() -> str:
         "no NIXL C API found: install NIXL's wheel (pip install nixl-cu12 on CPU or CUDA 12, "
         f"nixl-cu13 on CUDA 13), or set {ENV_OVERRIDE} to the path of libnixl_capi.so"
     )
+
+
+def library_version(path: str | None = None) -> str | None:
+    """The NIXL release that ships ``path`` (default: :func:`library_path`), read from its
+    wheel's metadata: NIXL's C API has no version call. None when it cannot be told."""
+    from kvpush.exceptions import NixlUnavailableError
+
+    try:
+        path = path or library_path()
+    except NixlUnavailableError:
+        return None
+    for module in WHEEL_MODULES:
+        if f"/.{module}.mesonpy.libs/" in path:
+            try:
+                return importlib.metadata.version(module.replace("_", "-"))
+            except importlib.metadata.PackageNotFoundError:
+                return None
+    return None
