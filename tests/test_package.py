@@ -86,3 +86,14 @@ def test_the_vllm_plugin_entry_point_is_installed() -> None:
         if p.name == "kvpush"
     ]
     assert plugin.value == "kvpush.vllm:register"
+
+
+def test_model_command_reports_a_missing_dependency_cleanly(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is not None:
+        pytest.skip("transformers is installed here: the e2e tests make the model for real")
+    assert main(["model", "make", "/nonexistent/model"]) == 2
+    assert "kvpush model make" in capsys.readouterr().err

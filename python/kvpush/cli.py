@@ -65,6 +65,12 @@ def _proxy(args: argparse.Namespace) -> int:
     return proxy.run(args)
 
 
+def _model(args: argparse.Namespace) -> int:
+    from kvpush.model import main as make_model
+
+    return make_model(args.options)
+
+
 def _version(_args: argparse.Namespace) -> int:
     print(f"kvpush {kvpush.__version__} (protocol kvpush/{kvpush.PROTOCOL_VERSION})")
     try:
@@ -180,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_arguments(proxy_command)
     proxy_command.set_defaults(run=_proxy)
+
+    model = commands.add_parser(
+        "model",
+        help="make a tiny random-weight model locally: kvpush model make PATH [--layers N ...]",
+        description="Model tools (need transformers and tokenizers, as vLLM installs them).",
+    )
+    model.add_argument("action", choices=["make"])
+    model.add_argument("options", nargs=argparse.REMAINDER, help="PATH and options (see --help)")
+    model.set_defaults(run=_model)
 
     version = commands.add_parser("version", help="print the kvpush and protocol versions")
     version.set_defaults(run=_version)
