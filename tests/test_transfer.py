@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+import kvpush
 from tests.conftest import nixl_or_skip
 from tests.peers import CacheShape, RemoteWorker, Request, Worker
 
@@ -225,3 +226,27 @@ def test_p_process_death_fails_d_within_the_peer_timeout(transport: str) -> None
         assert time.monotonic() - started < 5.0
     finally:
         pair.close()
+
+
+def test_endpoint_binds_a_host_name() -> None:
+    worker = Worker("p", P_SHAPE, P_SEED, "loopback")
+    try:
+        with kvpush.Endpoint(
+            "named-host",
+            worker.cache.layout(),
+            memory=worker.cache.memory(),
+            transport="loopback",
+            agent_name="named-host-agent",
+            bind="localhost:0",
+        ) as endpoint:
+            assert endpoint.address.startswith(("127.0.0.1:", "[::1]:"))
+        with pytest.raises(ValueError, match="resolvable host:port"):
+            kvpush.Endpoint(
+                "bad-host",
+                worker.cache.layout(),
+                memory=worker.cache.memory(),
+                transport="loopback",
+                bind="no-such-host.invalid:0",
+            )
+    finally:
+        worker.close()

@@ -1,6 +1,6 @@
 //! `Endpoint` and `TransferEvent`: a worker's push endpoint as Python sees it.
 
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use kvpush_core::endpoint::{
@@ -177,9 +177,12 @@ impl Endpoint {
         peer_timeout: f64,
         connect_timeout: f64,
     ) -> PyResult<Self> {
-        let bind: SocketAddr = bind
-            .parse()
-            .map_err(|_| PyValueError::new_err(format!("bind must be host:port, not {bind:?}")))?;
+        // A host name (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST defaults to "localhost") is resolved
+        // here, once; the first address it resolves to is the one listened on.
+        let bind: SocketAddr =
+            bind.to_socket_addrs().ok().and_then(|mut addrs| addrs.next()).ok_or_else(|| {
+                PyValueError::new_err(format!("bind must be a resolvable host:port, not {bind:?}"))
+            })?;
         let space = match device {
             None => MemorySpace::DRAM,
             Some(device) => MemorySpace { kind: kvpush_core::transport::MemoryKind::Vram, device },
