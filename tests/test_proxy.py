@@ -404,8 +404,10 @@ def test_prefill_failure_is_a_502_naming_the_prefill_leg_and_closes_decode(
     fakes: Callable[[Respond], Fake],
 ) -> None:
     decode_closed = threading.Event()
+    decode_has_its_leg = threading.Event()
 
     def waits_for_prefill(handler: FakeHandler, _received: Received) -> None:
+        decode_has_its_leg.set()
         # A real D would fail by itself once P fails it over the side channel; this one only
         # notices that the proxy gave up on it.
         if handler.peer_closed(WAIT_S):
@@ -413,7 +415,13 @@ def test_prefill_failure_is_a_502_naming_the_prefill_leg_and_closes_decode(
         else:
             handler.send_json(200, {"choices": [{"text": "D answered after all"}]})
 
-    p = fakes(answer(500, {"error": {"message": "prefill exploded"}}))
+    def fails_once_decode_has_its_leg(handler: FakeHandler, received: Received) -> None:
+        # Fail only once D holds its leg, so the test sees both legs of one request (otherwise
+        # the proxy may close D before D's server even reads the request).
+        decode_has_its_leg.wait(WAIT_S)
+        answer(500, {"error": {"message": "prefill exploded"}})(handler, received)
+
+    p = fakes(fails_once_decode_has_its_leg)
     d = fakes(waits_for_prefill)
     with proxy([prefill_at(p)], [d.url], Timeouts(decode_s=WAIT_S + 1)) as server:
         status, payload = call(server, "POST", "/v1/completions", {"prompt": "x"})
