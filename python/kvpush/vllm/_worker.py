@@ -69,6 +69,9 @@ class PushWorker:
         self._timeline: IO[str] | None = None
         self._decided: dict[str, float] = {}
         self._stats = _stats.empty()
+        #: Unix time of the endpoint clock's zero, taken once while the worker is quiet: two
+        #: clock reads on a busy machine can be tens of ms apart, which would skew timelines.
+        self._clock_offset = 0.0
 
     @property
     def endpoint(self) -> kvpush.Endpoint:
@@ -93,6 +96,7 @@ class PushWorker:
             secret=self._config.secret,
             compatibility=compatibility(self._config.model_fingerprint, cache),
         )
+        self._clock_offset = time.time() - self._endpoint.clock()
         timeline_dir = os.environ.get(TIMELINE_DIR_ENV)
         if timeline_dir:
             path = Path(timeline_dir) / f"{self._config.engine_id}-tp{self._model.tp_rank}.jsonl"
@@ -188,7 +192,7 @@ class PushWorker:
 
     def poll(self) -> None:
         """Collects the endpoint's events into the sets vLLM asks for."""
-        offset = time.time() - self.endpoint.clock()
+        offset = self._clock_offset
         for event in self.endpoint.poll():
             decided = self._decided.pop(event.request_id, None)
             self._record(event, decided, offset)
