@@ -19,149 +19,43 @@ Ports, process groups, ``/dev/shm`` clean-up and metrics parsing are :mod:`kvpus
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
+from kvpush import servers
 from kvpush.servers import (
     HOST,
     clean_shm,
-    free_port,
     metric_value,
-    parse_metrics,
     shm_entries,
-    signal_group,
 )
 
 JSON = dict[str, Any]
 
 
 @dataclass
-class VllmServer:
-    """One vLLM OpenAI-compatible server process.
-
-    ``cpu`` is the core its OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``): the
-    default ``auto`` puts every server on core 0. ``kv_transfer_config`` is passed as
-    ``--kv-transfer-config`` JSON; ``side_channel_port`` is its ``VLLM_NIXL_SIDE_CHANNEL_PORT``.
-    """
-
-    name: str
-    model: Path
-    log_dir: Path
-    cpu: str = "0"
-    port: int = field(default_factory=free_port)
-    side_channel_port: int = field(default_factory=free_port)
-    kv_transfer_config: JSON | None = None
-    max_model_len: int = 4096
-    extra_args: Sequence[str] = ()
-    extra_env: Mapping[str, str] = field(default_factory=dict)
-    python: str = sys.executable
-
-    process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
-    started_at: float = field(default=0.0, init=False, repr=False)
-    ready_after_s: float | None = field(default=None, init=False)
-    _shm_before: set[str] = field(default_factory=set, init=False, repr=False)
-
-    @property
-    def log_path(self) -> Path:
-        return self.log_dir / f"{self.name}.log"
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def command(self) -> list[str]:
-        args = [
-            self.python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.model),
-            "--host",
-            HOST,
-            "--port",
-            str(self.port),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--max-model-len",
-            str(self.max_model_len),
-            "--disable-uvicorn-access-log",
-        ]
-        if self.kv_transfer_config is not None:
-            args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
-        return args + list(self.extra_args)
-
-    def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            {
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_CPU_OMP_THREADS_BIND": self.cpu,
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
-                "VLLM_HOST_IP": HOST,
-                "UCX_NET_DEVICES": "lo",
-                "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1",
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false",
-            }
-        )
-        env.update(self.extra_env)
-        return env
-
-    def start(self) -> None:
-        """Launch the server in its own process group; output goes to :attr:`log_path`."""
-        if self.process is not None:
-            raise RuntimeError(f"{self.name}: already started (pid {self.process.pid})")
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._shm_before = shm_entries()
-        with self.log_path.open("wb") as log:
-            log.write(
-                f"# {' '.join(self.command())}\n# VLLM_CPU_OMP_THREADS_BIND={self.cpu} "
-                f"VLLM_NIXL_SIDE_CHANNEL_PORT={self.side_channel_port}\n".encode()
-            )
-            log.flush()
-            self.started_at = time.monotonic()
-            self.process = subprocess.Popen(
-                self.command(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.environment(),
-                start_new_session=True,
-            )
-        print(f"[{self.name}] started pid {self.process.pid} on {self.url}, log {self.log_path}")
+class VllmServer(servers.VllmServer):
+    """:class:`kvpush.servers.VllmServer` (the demo's launcher: command line, environment,
+    process group, log, ``/dev/shm`` clean-up), plus what the tests ask of a server: a health
+    wait that raises with the log's tail and prints progress, and JSON posts."""
 
     def wait_healthy(self, timeout_s: float = 300.0, progress_every_s: float = 15.0) -> float:
         """Poll ``/health`` until 200; returns seconds since start. Raises with the log's tail."""
-        process = self._running()
+        if self.process is None:
+            raise RuntimeError(f"{self.name}: not started")
         deadline = self.started_at + timeout_s
         next_progress = time.monotonic() + progress_every_s
-        while True:
-            if process.poll() is not None:
+        while not self.is_healthy():
+            if self.exit_code() is not None:
                 raise RuntimeError(
-                    f"{self.name}: exited with {process.returncode} before it was healthy; "
+                    f"{self.name}: exited with {self.exit_code()} before it was healthy; "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                status, _ = self._request("GET", "/health", timeout_s=2.0)
-                if status == 200:
-                    self.ready_after_s = time.monotonic() - self.started_at
-                    print(f"[{self.name}] healthy after {self.ready_after_s:.1f} s")
-                    return self.ready_after_s
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(
@@ -173,80 +67,21 @@ class VllmServer:
                 print(f"[{self.name}] waiting for /health ({now - self.started_at:.0f} s): {last}")
                 next_progress = now + progress_every_s
             time.sleep(0.5)
-
-    def stop(self, grace_s: float = 20.0, *, clean: bool = True) -> None:
-        """SIGTERM the process group, SIGKILL it after ``grace_s``, then clean ``/dev/shm``.
-
-        ``clean=False`` leaves ``/dev/shm`` alone, for a caller that stops several servers and
-        cleans once after the last (one server's files are not "unused" while another of the
-        same group still runs).
-        """
-        process, self.process = self.process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            signal_group(process.pid, signal.SIGTERM)
-            try:
-                process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                print(f"[{self.name}] still running {grace_s:.0f} s after SIGTERM: SIGKILL")
-                signal_group(process.pid, signal.SIGKILL)
-                process.wait(10.0)
-        # The engine core and worker children share the group; make sure none outlived it.
-        signal_group(process.pid, signal.SIGKILL)
-        print(f"[{self.name}] stopped (exit {process.returncode})")
-        if clean:
-            removed = clean_shm(self._shm_before)
-            print(f"[{self.name}] removed from /dev/shm: {removed or 'nothing'}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        assert self.ready_after_s is not None  # set by the first healthy answer
+        print(f"[{self.name}] healthy after {self.ready_after_s:.1f} s")
+        return self.ready_after_s
 
     def post(self, path: str, body: JSON, *, headers: Mapping[str, str] | None = None) -> JSON:
         """POST JSON; returns the decoded response, raising with the body on a non-200."""
-        status, payload = self._request("POST", path, body=body, headers=headers)
+        status, payload = self.request("POST", path, body=body, headers=headers)
         if status != 200:
             raise RuntimeError(f"{self.name}: POST {path} -> {status}: {payload[:2000]!r}")
         result: JSON = json.loads(payload)
         return result
 
-    def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-        status, payload = self._request("GET", "/metrics")
-        if status != 200:
-            raise RuntimeError(f"{self.name}: GET /metrics -> {status}")
-        return parse_metrics(payload.decode())
-
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of ``name`` whose labels include ``labels`` (0 when none)."""
         return metric_value(self.metrics(), name, **labels)
-
-    def _running(self) -> subprocess.Popen[bytes]:
-        if self.process is None:
-            raise RuntimeError(f"{self.name}: not started")
-        return self.process
-
-    def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: JSON | None = None,
-        headers: Mapping[str, str] | None = None,
-        timeout_s: float = 300.0,
-    ) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection(HOST, self.port, timeout=timeout_s)
-        try:
-            data = None if body is None else json.dumps(body).encode()
-            all_headers = {"Content-Type": "application/json", **(headers or {})}
-            conn.request(method, path, body=data, headers=all_headers)
-            response = conn.getresponse()
-            return response.status, response.read()
-        finally:
-            conn.close()
 
 
 @contextlib.contextmanager
