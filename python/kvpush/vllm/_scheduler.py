@@ -32,8 +32,9 @@ class SendRequest:
     transfer_id: str | None
     blocks: tuple[tuple[int, ...], ...]
     num_tokens: int
-    #: Unix time the scheduler saw the prefill finish: the worker's ``ready`` comes one engine
-    #: step later, and the timeline shows that wait.
+    #: Unix time the scheduler saw the prefill finish: the worker's ``ready`` follows when the
+    #: next step's metadata reaches it (before that step's forward), and the timeline shows
+    #: that wait.
     decided_at: float = field(default_factory=time.time)
 
 
@@ -49,7 +50,8 @@ class RecvRequest:
     blocks: tuple[tuple[int, ...], ...]
     first_token: int
     num_tokens: int
-    #: Unix time the scheduler allocated D's blocks (the registration leaves a step later).
+    #: Unix time the scheduler allocated D's blocks (the registration leaves when this step's
+    #: metadata reaches the worker, before the forward).
     decided_at: float = field(default_factory=time.time)
 
 
@@ -105,7 +107,7 @@ class PushScheduler:
         prompt_tokens: int,
         num_external: int,
     ) -> None:
-        """D's blocks for a remote prefill are allocated: register them with P next step.
+        """D's blocks for a remote prefill are allocated: register them with P this step.
 
         ``params["do_remote_prefill"]`` is cleared so a re-entry (preemption) never registers
         twice with the same epoch.

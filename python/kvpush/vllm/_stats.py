@@ -18,7 +18,7 @@ SERIES = (
     "post_seconds",  # P: match -> WRITE posted (planning + descriptor building + post)
     "transfer_seconds",  # P: WRITE posted -> done; D: registered -> last DONE
     "registration_wait_seconds",  # P: KV ready -> D's registration matched it (0 if D was first)
-    "step_wait_seconds",  # scheduler decided -> worker acted (one engine step)
+    "step_wait_seconds",  # scheduler decided -> worker acted (metadata delivery)
 )
 
 

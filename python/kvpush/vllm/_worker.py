@@ -169,7 +169,8 @@ class PushWorker:
         """One timeline line, its times moved from the endpoint's clock to unix time (``offset``).
 
         ``scheduled`` is when vLLM's scheduler decided (P: the prefill finished; D: the blocks
-        were allocated): ``ready``/``registered`` minus it is the wait for the next engine step.
+        were allocated): ``ready``/``registered`` minus it is the wait for the scheduler's
+        metadata to reach the worker.
         """
         if self._timeline is None:
             return

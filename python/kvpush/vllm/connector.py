@@ -64,6 +64,11 @@ class KvPushMetadata(KVConnectorMetadata):  # type: ignore[misc]
     def __init__(self, push: PushMetadata) -> None:
         self.push = push
 
+    def take(self) -> PushMetadata:
+        """The instructions, once: a second call (vLLM binds and starts each step) gets none."""
+        push, self.push = self.push, PushMetadata()
+        return push
+
 
 class KvPushStats(KVConnectorStats):  # type: ignore[misc]
     """Transfer statistics of one interval, summed over workers (see ``_stats``)."""
@@ -305,10 +310,20 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             seen.setdefault(view.data_ptr, view)
         self._work.register(list(seen.values()))
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Act on the step's instructions here, before the forward pass, not in start_load_kv:
+        # vLLM calls that after the forward is launched, which on a CPU (or any synchronous
+        # model runner) is after the whole step has run, so P's WRITE and D's registration
+        # would wait for a step they do not depend on. What P sends was computed by an earlier
+        # step (the scheduler saw its output), and what D registers is allocated and unused.
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvPushMetadata):
+            self._worker.apply(connector_metadata.take())
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KvPushMetadata)
-        self._work.apply(metadata.push)
+        self._work.apply(metadata.take())  # normally nothing left: bind_connector_metadata acted
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # KV arrives whole before the request is scheduled
