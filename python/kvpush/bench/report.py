@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -35,7 +36,10 @@ class Table:
         """The table for a terminal: columns padded to their widest cell."""
         cells = [list(self.columns), *[list(row) for row in self.rows]]
         widths = [max(len(row[i]) for row in cells) for i in range(len(self.columns))]
-        rendered = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+        rendered = [
+            "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+            for row in cells
+        ]
         rendered.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(rendered)
 
@@ -78,7 +82,7 @@ def replace_section(path: Path, heading: str, body: str) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _pyplot() -> Any:
     try:
         import matplotlib
 
