@@ -2,9 +2,10 @@
 //!
 //! It drains its inbox (matches, expectations, peer changes, replies to send), posts and polls
 //! WRITEs, counts DONE notifications, and enforces deadlines, then reports each request's end as
-//! one [`Event`]. It polls every `BUSY_POLL` while anything is in flight or awaited, and sleeps on
-//! its inbox for up to `IDLE_POLL` otherwise, so an idle endpoint costs next to no CPU while a
-//! new command still wakes it at once.
+//! one [`Event`]. It polls every `BUSY_POLL` while anything is in flight or awaited, sleeps on
+//! its inbox for up to `IDLE_POLL` while the table holds a half or a command came recently, and
+//! for up to `QUIET_POLL` once nothing has happened for `SETTLE`: an idle endpoint costs next to
+//! no CPU (a few wake-ups a second), while a new command still wakes it at once.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -31,6 +32,13 @@ const BUSY_POLL: Duration = Duration::from_micros(200);
 /// Longest sleep when nothing is pending: bounds how late a peer's connection setup is
 /// progressed by a transport without its own progress thread.
 const IDLE_POLL: Duration = Duration::from_millis(20);
+/// How long after its last command the writer keeps to `IDLE_POLL` (a new peer's connection
+/// setup is progressed in the meantime).
+const SETTLE: Duration = Duration::from_secs(1);
+/// Longest sleep once quiet: nothing in flight, awaited or in the table, and no command for
+/// `SETTLE`. Nothing is due then; the wake-up only bounds how late a stray notification (a DONE
+/// for a cancelled receive) is drained.
+const QUIET_POLL: Duration = Duration::from_millis(500);
 /// How often the rendezvous table and D's deadlines are checked.
 const DEADLINE_CHECK: Duration = Duration::from_millis(10);
 /// How long a closing writer lets in-flight writes finish before abandoning them.
@@ -162,6 +170,7 @@ pub(crate) struct Writer<T: Transport> {
     decoder: Decoder,
     received: Vec<Notification>,
     last_deadline_check: Instant,
+    last_command: Instant,
 }
 
 impl<T: Transport> std::fmt::Debug for Writer<T> {
@@ -206,19 +215,18 @@ impl<T: Transport> Writer<T> {
             decoder: Decoder::new(secret, Limits::default()),
             received: Vec::new(),
             last_deadline_check: Instant::now(),
+            last_command: Instant::now(),
         }
     }
 
     /// The thread body: runs until `Stop` (or every sender is gone), then cleans up.
     pub(crate) fn run(mut self) {
         loop {
-            let wait = if self.in_flight.is_empty() && self.awaited.is_empty() {
-                IDLE_POLL
-            } else {
-                BUSY_POLL
-            };
-            let mut stop = match self.commands.recv_timeout(wait) {
-                Ok(command) => self.handle(command),
+            let mut stop = match self.commands.recv_timeout(self.poll_period()) {
+                Ok(command) => {
+                    self.last_command = Instant::now();
+                    self.handle(command)
+                }
                 Err(RecvTimeoutError::Timeout) => false,
                 Err(RecvTimeoutError::Disconnected) => true,
             };
@@ -239,6 +247,17 @@ impl<T: Transport> Writer<T> {
             }
         }
         self.shut_down();
+    }
+
+    /// How long the next wait on the inbox may last (see the module docs).
+    fn poll_period(&self) -> Duration {
+        if !self.in_flight.is_empty() || !self.awaited.is_empty() {
+            BUSY_POLL
+        } else if !self.shared.table.is_empty() || self.last_command.elapsed() < SETTLE {
+            IDLE_POLL
+        } else {
+            QUIET_POLL
+        }
     }
 
     /// Acts on one command; true when the writer must stop.

@@ -90,9 +90,10 @@ pub type PeerId = u64;
 /// How often the accept thread looks for new connections and for `close`.
 ///
 /// std cannot interrupt a blocking `accept`, and waking one by connecting to ourselves fails
-/// when the bind address is a wildcard or filtered; a short poll costs one syscall per interval
-/// and delays a new connection (one per engine pair, made once) by at most this much.
-const ACCEPT_POLL: Duration = Duration::from_millis(20);
+/// when the bind address is a wildcard or filtered; a poll costs one syscall per interval (20 a
+/// second: under 0.1% of a core) and delays a new connection (one per engine pair, made once)
+/// by at most this much.
+const ACCEPT_POLL: Duration = Duration::from_millis(50);
 
 /// Bounds of a socket's read timeout, the tick at which a connection thread wakes with nothing
 /// to read to send a due heartbeat, judge silence and notice `close`.
