@@ -171,6 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transfer.set_defaults(run=_bench_transfer)
 
+    from kvpush.bench import idle
+
+    idle_command = benches.add_parser(
+        "idle",
+        help="CPU an idle, warm P+D pair burns: kvpush endpoints vs NIXL agents as vLLM makes them",
+        description=idle.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    idle.add_arguments(idle_command)
+    idle_command.set_defaults(run=idle.main)
+
     from kvpush import proxy
 
     proxy_command = commands.add_parser(
