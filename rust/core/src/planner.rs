@@ -104,6 +104,70 @@ pub struct Plan {
     pub stats: PlanStats,
 }
 
+/// One request's runs before they are written out: each KV group's merged runs relative to a
+/// region's bases (a *pattern*), and the regions that repeat them, in layout order.
+///
+/// Built by [`Planner::plan_compact`]; its statistics already count the runs after merging,
+/// including a region's last run merging into the next region's first.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CompactPlan {
+    /// Every pattern's runs, relative to a region's (P, D) bases; patterns are ranges of it.
+    relative: Vec<DescriptorRun>,
+    /// The regions that write anything, in layout order.
+    regions: Vec<PlacedPattern>,
+    /// The statistics of the expanded plan.
+    stats: PlanStats,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PlacedPattern {
+    src_base: u64,
+    dst_base: u64,
+    pattern: Range<usize>,
+}
+
+impl CompactPlan {
+    /// What the expanded plan amounts to.
+    pub fn stats(&self) -> PlanStats {
+        self.stats
+    }
+
+    /// Appends the runs, in region order and then token order, merged across region boundaries
+    /// too; never merged with runs already in `out`. Appends exactly `stats().runs` runs.
+    pub fn expand_into(&self, out: &mut Vec<DescriptorRun>) {
+        out.reserve(self.stats.runs);
+        let start = out.len();
+        for placed in &self.regions {
+            let Some(pattern) = self.relative.get(placed.pattern.clone()) else {
+                continue; // unreachable: the range was taken from `relative`
+            };
+            let (src_base, dst_base) = (placed.src_base, placed.dst_base);
+            let mut runs = pattern.iter().map(|run| DescriptorRun {
+                // No overflow: every run lies inside a validated region (see `Planner`).
+                src: src_base + run.src,
+                dst: dst_base + run.dst,
+                len: run.len,
+            });
+            // Runs inside a pattern are maximal already: only its first can continue the run
+            // before it, the last of the previous region.
+            if let Some(first) = runs.next() {
+                let fresh = out.len() > start;
+                match out.last_mut() {
+                    Some(open)
+                        if fresh
+                            && open.src + open.len == first.src
+                            && open.dst + open.len == first.dst =>
+                    {
+                        open.len += first.len;
+                    }
+                    _ => out.push(first),
+                }
+            }
+            out.extend(runs);
+        }
+    }
+}
+
 /// Why a pair of layouts or a request cannot be planned.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum PlanError {
@@ -389,9 +453,10 @@ impl Planner {
 
     /// Validates `req` and returns its runs.
     pub fn plan(&self, req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
+        let compact = self.plan_compact(req)?;
         let mut runs = Vec::new();
-        let stats = self.plan_into(req, &mut runs)?;
-        Ok(Plan { runs, stats })
+        compact.expand_into(&mut runs);
+        Ok(Plan { runs, stats: compact.stats })
     }
 
     /// Validates `req` and appends its runs to `out`, so a caller can reuse one buffer.
@@ -402,9 +467,24 @@ impl Planner {
         req: &PlanRequest<'_>,
         out: &mut Vec<DescriptorRun>,
     ) -> Result<PlanStats, PlanError> {
+        let compact = self.plan_compact(req)?;
+        compact.expand_into(out);
+        Ok(compact.stats)
+    }
+
+    /// Validates `req` and plans it without writing out every run: each group's runs are merged
+    /// once, relative to a region's bases, and the regions that repeat them are listed. Its
+    /// statistics are final; [`CompactPlan::expand_into`] writes the runs [`Planner::plan_into`]
+    /// would.
+    ///
+    /// A request's runs are the same block pattern repeated in every region of its group (only
+    /// the bases differ), so this costs O(blocks + regions) where the runs are O(blocks x
+    /// regions).
+    pub fn plan_compact(&self, req: &PlanRequest<'_>) -> Result<CompactPlan, PlanError> {
         self.validate(req)?;
+        let mut plan = CompactPlan::default();
         if !self.writes_anything() {
-            return Ok(PlanStats::default());
+            return Ok(plan);
         }
 
         let mut segments = Vec::new();
@@ -415,41 +495,50 @@ impl Planner {
             .map(|(src, dst)| self.push_segments(src, dst, req.num_tokens, &mut segments))
             .collect();
 
-        let start = out.len();
-        let mut runs = RunMerger::new(out);
-        let mut stats = PlanStats::default();
-        let (src_head_stride, dst_head_stride) = (self.src.head_stride(), self.dst.head_stride());
+        // Patterns already built, by (group, P's block stride, D's block stride): merging depends
+        // only on those, so regions that share them share one pattern.
+        let mut built: Vec<((usize, u64, u64), Range<usize>)> = Vec::new();
+        let mut last_end: Option<(u64, u64)> = None;
         // Regions outside, tokens inside: a region's consecutive blocks then follow each other in
         // the output and merge, and the last run of a region can merge with the next region's.
         for region in &self.regions {
             let Some(group) = groups.get(region.group) else {
                 continue; // unreachable: validate() checked one list per group
             };
-            let Some(group_segments) = segments.get(group.segments.clone()) else {
-                continue; // unreachable: the range was taken from `segments`
-            };
-            for segment in group_segments {
-                // No overflow: the kernel index is below the region's block count (ids were
-                // checked against it) and every piece stays inside one kernel block, all of
-                // which `KvLayout::validate` proved addressable.
-                let src =
-                    region.src_base + segment.src_kernel * region.src_stride + segment.src_offset;
-                let dst =
-                    region.dst_base + segment.dst_kernel * region.dst_stride + segment.dst_offset;
-                for piece in 0..segment.pieces {
-                    runs.push(DescriptorRun {
-                        src: src + piece * src_head_stride,
-                        dst: dst + piece * dst_head_stride,
-                        len: segment.piece_len,
-                    });
+            plan.stats.unmerged_runs =
+                plan.stats.unmerged_runs.saturating_add(group.unmerged_per_region);
+            plan.stats.bytes = plan.stats.bytes.saturating_add(group.bytes_per_region);
+            let key = (region.group, region.src_stride, region.dst_stride);
+            let pattern = match built.iter().find(|(k, _)| *k == key) {
+                Some((_, pattern)) => pattern.clone(),
+                None => {
+                    let group_segments = segments.get(group.segments.clone()).unwrap_or(&[]);
+                    let pattern = self.push_pattern(region, group_segments, &mut plan.relative);
+                    built.push((key, pattern.clone()));
+                    pattern
                 }
-            }
-            stats.unmerged_runs = stats.unmerged_runs.saturating_add(group.unmerged_per_region);
-            stats.bytes = stats.bytes.saturating_add(group.bytes_per_region);
+            };
+            let (Some(first), Some(last)) = (
+                plan.relative.get(pattern.start),
+                pattern.end.checked_sub(1).and_then(|i| plan.relative.get(i)),
+            ) else {
+                continue; // nothing to write in this region
+            };
+            // No overflow: every run lies inside a validated region (see `Planner`).
+            let continues =
+                last_end == Some((region.src_base + first.src, region.dst_base + first.dst));
+            plan.stats.runs += pattern.len() - usize::from(continues);
+            last_end = Some((
+                region.src_base + last.src + last.len,
+                region.dst_base + last.dst + last.len,
+            ));
+            plan.regions.push(PlacedPattern {
+                src_base: region.src_base,
+                dst_base: region.dst_base,
+                pattern,
+            });
         }
-        runs.finish();
-        stats.runs = out.len() - start;
-        Ok(stats)
+        Ok(plan)
     }
 
     /// Checks every list of `req` against the layouts; nothing is planned unless all pass.
@@ -539,6 +628,35 @@ impl Planner {
             Side::Source => &self.src,
             Side::Destination => &self.dst,
         }
+    }
+
+    /// Appends the merged runs of `segments` in a region with `region`'s block strides, relative
+    /// to its bases, to `out`; returns where they are.
+    fn push_pattern(
+        &self,
+        region: &RegionPair,
+        segments: &[Segment],
+        out: &mut Vec<DescriptorRun>,
+    ) -> Range<usize> {
+        let start = out.len();
+        let (src_head_stride, dst_head_stride) = (self.src.head_stride(), self.dst.head_stride());
+        let mut runs = RunMerger::new(out);
+        for segment in segments {
+            // No overflow: the kernel index is below the region's block count (ids were checked
+            // against it) and every piece stays inside one kernel block, all of which
+            // `KvLayout::validate` proved addressable.
+            let src = segment.src_kernel * region.src_stride + segment.src_offset;
+            let dst = segment.dst_kernel * region.dst_stride + segment.dst_offset;
+            for piece in 0..segment.pieces {
+                runs.push(DescriptorRun {
+                    src: src + piece * src_head_stride,
+                    dst: dst + piece * dst_head_stride,
+                    len: segment.piece_len,
+                });
+            }
+        }
+        runs.finish();
+        start..out.len()
     }
 
     /// Appends the segments of one group's tokens `[dst.first_token, num_tokens)` to `out`.

@@ -2,7 +2,7 @@
 
 use kvpush_core::layout::{KvLayout as CoreLayout, Region as CoreRegion, TokenOrder};
 use kvpush_core::planner::{
-    BlockList, DescriptorRun, PlanRequest, PlanStats, Planner as CorePlanner,
+    BlockList, CompactPlan, DescriptorRun, PlanRequest, Planner as CorePlanner,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -170,39 +170,46 @@ impl KvLayout {
     }
 }
 
-/// The runs to write for one request.
+/// The runs to write for one request: planned and counted, written out as runs only when asked
+/// (`runs`, `to_bytes`).
 #[pyclass(module = "kvpush", frozen)]
 #[derive(Debug)]
-pub(crate) struct Plan {
-    runs: Vec<DescriptorRun>,
-    stats: PlanStats,
+pub(crate) struct Plan(CompactPlan);
+
+impl Plan {
+    fn expanded(&self) -> Vec<DescriptorRun> {
+        let mut runs = Vec::new();
+        self.0.expand_into(&mut runs);
+        runs
+    }
 }
 
 #[pymethods]
 impl Plan {
     #[getter]
     fn bytes(&self) -> u64 {
-        self.stats.bytes
+        self.0.stats().bytes
     }
 
     #[getter]
     fn unmerged_runs(&self) -> usize {
-        self.stats.unmerged_runs
+        self.0.stats().unmerged_runs
     }
 
     fn __len__(&self) -> usize {
-        self.runs.len()
+        self.0.stats().runs
     }
 
     /// `(src_addr, dst_addr, length)` triples.
     fn runs(&self) -> Vec<(u64, u64, u64)> {
-        self.runs.iter().map(|r| (r.src, r.dst, r.len)).collect()
+        self.expanded().iter().map(|r| (r.src, r.dst, r.len)).collect()
     }
 
     /// The runs as native-endian `u64` triples, for `memoryview(...).cast("Q")` or numpy.
     fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let mut raw = Vec::with_capacity(self.runs.len() * 24);
-        for run in &self.runs {
+        let runs = self.expanded();
+        let mut raw = Vec::with_capacity(runs.len() * 24);
+        for run in &runs {
             for word in [run.src, run.dst, run.len] {
                 raw.extend_from_slice(&word.to_ne_bytes());
             }
@@ -211,11 +218,10 @@ impl Plan {
     }
 
     fn __repr__(&self) -> String {
+        let stats = self.0.stats();
         format!(
             "Plan({} runs, {} before merging, {} bytes)",
-            self.runs.len(),
-            self.stats.unmerged_runs,
-            self.stats.bytes
+            stats.runs, stats.unmerged_runs, stats.bytes
         )
     }
 }
@@ -291,8 +297,7 @@ impl Planner {
         let src = block_lists(&src_ids, src_first_tokens.as_deref(), "src")?;
         let dst = block_lists(&dst_ids, dst_first_tokens.as_deref(), "dst")?;
         let req = PlanRequest { request: &request, num_tokens, src: &src, dst: &dst };
-        let plan = native(py, || self.0.plan(&req))?;
-        Ok(Plan { runs: plan.runs, stats: plan.stats })
+        Ok(Plan(native(py, || self.0.plan_compact(&req))?))
     }
 
     fn __repr__(&self) -> String {
