@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import time
 from pathlib import Path
 
@@ -12,11 +13,11 @@ import numpy as np
 import pytest
 
 import kvpush
-from kvpush.exceptions import LayoutError
-from kvpush.vllm import _stats
+from kvpush.exceptions import KvPushError, LayoutError
+from kvpush.vllm import _stats, _worker
 from kvpush.vllm._layout import Model, TensorView, layout_from_caches
 from kvpush.vllm._scheduler import ParamsError, PushScheduler
-from kvpush.vllm._worker import PushWorker, WorkerConfig
+from kvpush.vllm._worker import THREAD_CPUS_ENV, PushWorker, WorkerConfig
 
 HEADS, HEAD = 2, 4  # KV heads per rank, head size (float32)
 
@@ -274,3 +275,56 @@ def test_stats_count_transfers_and_time_each_step() -> None:
     assert summary["failed"] == 0
     assert {"post_ms_p50", "transfer_ms_p50", "step_wait_ms_p50"} <= summary.keys()
     assert p.take_stats() is None, "an interval's stats are taken once"
+
+
+def _kvpush_threads() -> dict[str, set[int]]:
+    """This process's kvpush threads: thread id -> the CPUs it may run on."""
+    threads = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as comm:
+            if not comm.read().startswith("kvpush-"):
+                continue
+        threads[tid] = os.sched_getaffinity(int(tid))
+    return threads
+
+
+@pytest.mark.parametrize("setting", ["unset", "inherit", "explicit"])
+def test_endpoint_threads_leave_the_core_vllm_pinned_the_worker_to(
+    setting: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU worker pins its forward thread to one core; the endpoint's native threads
+    must not be born there (they would wait for the forward pass to post a WRITE), unless the
+    operator says so."""
+    engine_cpus = os.sched_getaffinity(os.getppid()) | os.sched_getaffinity(0)
+    if len(engine_cpus) < 2:
+        pytest.skip("needs a process allowed on two CPUs or more")
+    pinned = {min(engine_cpus)}
+    expected = {"unset": engine_cpus, "inherit": pinned, "explicit": {max(engine_cpus)}}[setting]
+    if setting == "inherit":
+        monkeypatch.setenv(THREAD_CPUS_ENV, "inherit")
+    elif setting == "explicit":
+        monkeypatch.setenv(THREAD_CPUS_ENV, str(max(engine_cpus)))
+    else:
+        monkeypatch.delenv(THREAD_CPUS_ENV, raising=False)
+    before = _kvpush_threads()
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, pinned)
+    try:
+        w = worker(f"pinned-{setting}", cpu_caches(1, 4, 32, seed=None), 32, 0)
+        try:
+            assert os.sched_getaffinity(0) == pinned, "the worker thread's own pinning changed"
+            born = {tid: cpus for tid, cpus in _kvpush_threads().items() if tid not in before}
+            assert born, "no kvpush threads found"
+            assert all(cpus == expected for cpus in born.values()), born
+        finally:
+            w.close()
+    finally:
+        os.sched_setaffinity(0, previous)
+
+
+def test_thread_cpu_setting_is_checked() -> None:
+    assert _worker._cpu_list("0,2-4") == {0, 2, 3, 4}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(THREAD_CPUS_ENV, "two")
+        with pytest.raises(KvPushError, match="KVPUSH_THREAD_CPUS='two'"):
+            _worker.native_thread_cpus()

@@ -8,7 +8,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -24,6 +25,68 @@ logger = logging.getLogger("kvpush.vllm")
 #: When set, each worker appends one JSON line per finished transfer to
 #: ``$KVPUSH_TIMELINE_DIR/<engine>-tp<rank>.jsonl`` (``kvpush demo`` reads them).
 TIMELINE_DIR_ENV = "KVPUSH_TIMELINE_DIR"
+
+#: CPUs for the endpoint's native threads (writer, side channel, NIXL's): ``inherit`` keeps the
+#: creating thread's affinity, a list such as ``2,3`` or ``4-7`` names them. Unset: the CPUs the
+#: engine process was allowed (see :func:`native_thread_cpus`).
+THREAD_CPUS_ENV = "KVPUSH_THREAD_CPUS"
+
+
+def _cpu_list(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def native_thread_cpus() -> set[int] | None:
+    """Where the endpoint's threads should run, or None to leave them where they are born.
+
+    vLLM's CPU worker pins the thread that runs the forward pass to one core (each OpenMP thread
+    to its own); threads it starts inherit that, so a writer born there would wait for the
+    forward pass to yield the core before it could post a WRITE. The native threads get the CPUs
+    the engine process (the worker's parent, or the process itself with vLLM's in-process
+    executor) was allowed instead: the operator's own pinning (``taskset``, cgroups) still holds.
+    """
+    configured = os.environ.get(THREAD_CPUS_ENV, "").strip()
+    if configured == "inherit":
+        return None
+    if configured:
+        try:
+            return _cpu_list(configured)
+        except ValueError:
+            raise KvPushError(
+                f"{THREAD_CPUS_ENV}={configured!r}: expected 'inherit' or CPUs like '2,3' or '4-7'"
+            ) from None
+    current = os.sched_getaffinity(0)
+    parent = os.getppid()
+    if parent <= 1:
+        return None  # orphaned (or a container's first process): no engine to take CPUs from
+    try:
+        engine = os.sched_getaffinity(parent) | os.sched_getaffinity(os.getpid())
+    except OSError:
+        return None
+    return engine if not engine <= current else None
+
+
+@contextmanager
+def _threads_born_on(cpus: set[int] | None) -> Iterator[None]:
+    """Threads started inside inherit ``cpus`` as their affinity; this thread's is restored."""
+    if cpus is None:
+        yield
+        return
+    previous = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as error:
+        logger.warning("kvpush: cannot run the endpoint's threads on CPUs %s: %s", cpus, error)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
 
 
 @dataclass(frozen=True)
@@ -86,16 +149,18 @@ class PushWorker:
         self._cache = cache
         spans = sorted({(v.data_ptr, v.nbytes) for v in views})
         port = self._config.side_channel_port + self._model.tp_rank
-        self._endpoint = kvpush.Endpoint(
-            self._config.engine_id,
-            layout,
-            memory=spans,
-            transport=self._config.transport,  # type: ignore[arg-type]
-            agent_name=f"{self._config.engine_id}-tp{self._model.tp_rank}",
-            bind=f"{self._config.side_channel_host}:{port}",
-            secret=self._config.secret,
-            compatibility=compatibility(self._config.model_fingerprint, cache),
-        )
+        cpus = native_thread_cpus()
+        with _threads_born_on(cpus):
+            self._endpoint = kvpush.Endpoint(
+                self._config.engine_id,
+                layout,
+                memory=spans,
+                transport=self._config.transport,  # type: ignore[arg-type]
+                agent_name=f"{self._config.engine_id}-tp{self._model.tp_rank}",
+                bind=f"{self._config.side_channel_host}:{port}",
+                secret=self._config.secret,
+                compatibility=compatibility(self._config.model_fingerprint, cache),
+            )
         self._clock_offset = time.time() - self._endpoint.clock()
         timeline_dir = os.environ.get(TIMELINE_DIR_ENV)
         if timeline_dir:
@@ -103,11 +168,12 @@ class PushWorker:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._timeline = path.open("a", encoding="utf-8")
         logger.info(
-            "kvpush endpoint %s listening on %s (%d regions, %d-token blocks)",
+            "kvpush endpoint %s listening on %s (%d regions, %d-token blocks, threads on CPUs %s)",
             self._config.engine_id,
             self._endpoint.address,
             len(layout.regions),
             layout.block_tokens,
+            "inherited" if cpus is None else ",".join(map(str, sorted(cpus))),
         )
 
     def apply(self, metadata: PushMetadata) -> None:
