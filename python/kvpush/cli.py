@@ -135,12 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(run=_demo)
 
+    from kvpush.bench import suite
+
     bench = commands.add_parser(
         "bench",
-        help="benchmarks (print tables and ratios; assert nothing)",
-        description="Benchmarks of kvpush against the baselines it replaces.",
+        help="benchmarks (print tables and ratios; assert nothing); alone: all of them",
+        description=suite.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    benches = bench.add_subparsers(dest="bench", required=True)
+    suite.add_arguments(bench)
+    bench.set_defaults(run=suite.main)
+    benches = bench.add_subparsers(dest="bench", required=False, metavar="BENCH")
     transfer = benches.add_parser(
         "transfer",
         help="kvpush's data path against a plain NIXL WRITE driven from Python",
@@ -181,6 +186,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     idle.add_arguments(idle_command)
     idle_command.set_defaults(run=idle.main)
+
+    from kvpush.bench import control
+
+    control_command = benches.add_parser(
+        "control",
+        help="P's per-request control path and matching under load: kvpush vs vLLM's code",
+        description=control.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    control.add_arguments(control_command)
+    control_command.set_defaults(run=control.main)
+
+    from kvpush.bench import serving
+
+    serving_command = benches.add_parser(
+        "serving",
+        help="kvpush vs vLLM's NixlPushConnector and NixlConnector on real vLLM pairs",
+        description=serving.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serving.add_arguments(serving_command)
+    serving_command.set_defaults(run=serving.main)
 
     from kvpush import proxy
 

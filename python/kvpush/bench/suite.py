@@ -1,0 +1,116 @@
+"""``kvpush bench`` with no subcommand: every benchmark, one after the other, each writing its
+sections of the benchmarks document (``docs/benchmarks.md``) and its plots (``docs/img/``).
+
+The steps, in order (cheap and self-contained first, the vLLM servers last):
+
+* ``control``: P's per-request control path and matching under load, kvpush vs vLLM's code;
+* ``idle``: an idle, warm P+D pair's CPU, kvpush endpoints vs NIXL agents;
+* ``transfer``: the data path against plain NIXL WRITEs, UCX's default transports and tcp;
+* ``serving``: kvpush vs vLLM's NixlPushConnector and NixlConnector on real vLLM pairs.
+
+A step that fails is reported and the others still run; the exit status says whether all ran.
+They need vLLM and NIXL's Python API (``scripts/dev bench`` runs them in ``.venv-vllm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvpush.bench import report
+
+STEPS = ("control", "idle", "transfer", "serving")
+
+
+def _control(doc: Path, quick: bool) -> int:
+    from kvpush.bench import control
+
+    return control.main(argparse.Namespace(quick=quick, markdown=str(doc), img_dir=None))
+
+
+def _idle(doc: Path, quick: bool) -> int:
+    from kvpush.bench import idle
+
+    return idle.main(argparse.Namespace(seconds=2.0 if quick else 10.0, markdown=str(doc)))
+
+
+def _transfer(doc: Path, quick: bool) -> int:
+    from kvpush.bench import transfer
+
+    code = 0
+    tls: transfer.UcxTls
+    for tls in ("default", "tcp"):
+        config = transfer.BenchConfig(
+            gib=0.05 if quick else 1.0, block_kib=16, repeats=1 if quick else 3, ucx_tls=tls
+        )
+        try:
+            result = transfer.run(config, progress=lambda line: print(line, flush=True))
+        except transfer.BenchError as error:
+            print(f"kvpush bench transfer ({tls}): {error}")
+            code = 1
+            continue
+        print()
+        print(transfer.report(result))
+        transfer.update_markdown(doc, result, str(doc))
+    return code
+
+
+def _serving(doc: Path, quick: bool) -> int:
+    from kvpush.bench import serving
+
+    parser = argparse.ArgumentParser()
+    serving.add_arguments(parser)
+    argv = ["--markdown", str(doc), *(["--quick"] if quick else [])]
+    return serving.main(parser.parse_args(argv))
+
+
+RUNNERS: dict[str, Callable[[Path, bool], int]] = {
+    "control": _control,
+    "idle": _idle,
+    "transfer": _transfer,
+    "serving": _serving,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--doc",
+        default="docs/benchmarks.md",
+        metavar="PATH",
+        help="the benchmarks document to write (default docs/benchmarks.md; plots in its img/)",
+    )
+    parser.add_argument(
+        "--only",
+        default=",".join(STEPS),
+        help=f"comma-separated steps to run, in the suite's order (default {','.join(STEPS)})",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes everywhere: checks the suite runs"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    wanted = [step.strip() for step in args.only.split(",") if step.strip()]
+    unknown = [step for step in wanted if step not in RUNNERS]
+    if unknown:
+        print(f"kvpush bench: unknown step(s) {', '.join(unknown)}; steps: {', '.join(STEPS)}")
+        return 2
+    doc = Path(args.doc)
+    summary = report.Table(["step", "result", "wall"])
+    failed = False
+    for step in (s for s in STEPS if s in wanted):
+        print(f"\n==== kvpush bench {step} ====", flush=True)
+        started = time.monotonic()
+        try:
+            code = RUNNERS[step](doc, args.quick)
+        except Exception as error:  # one step's crash must not hide the others' results
+            print(f"kvpush bench {step}: {type(error).__name__}: {error}")
+            code = 1
+        failed |= code != 0
+        outcome = "ok" if code == 0 else f"failed (exit {code})"
+        summary.add(step, outcome, f"{time.monotonic() - started:.0f} s")
+    print(f"\n==== kvpush bench: sections written to {doc} ====")
+    print(summary.text())
+    return 1 if failed else 0
