@@ -206,15 +206,16 @@ impl Plan {
     }
 
     /// The runs as native-endian `u64` triples, for `memoryview(...).cast("Q")` or numpy.
-    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+    fn to_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let runs = self.expanded();
-        let mut raw = Vec::with_capacity(runs.len() * 24);
-        for run in &runs {
-            for word in [run.src, run.dst, run.len] {
-                raw.extend_from_slice(&word.to_ne_bytes());
+        PyBytes::new_with(py, runs.len() * 24, |raw| {
+            for (run, out) in runs.iter().zip(raw.chunks_exact_mut(24)) {
+                out[..8].copy_from_slice(&run.src.to_ne_bytes());
+                out[8..16].copy_from_slice(&run.dst.to_ne_bytes());
+                out[16..].copy_from_slice(&run.len.to_ne_bytes());
             }
-        }
-        PyBytes::new(py, &raw)
+            Ok(())
+        })
     }
 
     fn __repr__(&self) -> String {
