@@ -422,3 +422,13 @@ def test_threads_are_named_main_unnamed_or_by_their_own_name() -> None:
     assert serving_cpu.thread_name(process, serving_cpu.ProcStat(102, "kvpush-writer", 100, 0)) == (
         "kvpush-writer"
     )
+
+
+def test_an_upstream_phase_without_one_success_is_noted_not_compared() -> None:
+    result = fake_result(kvpush_handover=0.02)
+    push = next(p for p in result.pairs if p.connector == NIXL_PUSH)
+    for s in push.phases[1].samples:
+        s.error = "D: timed out"
+    verdict = serving_report.handover_verdict(result)
+    assert verdict.met is True
+    assert "NixlPushConnector at 1024 at 1.5x had no successful request" in verdict.text

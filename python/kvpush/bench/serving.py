@@ -136,10 +136,10 @@ class ServingConfig:
     idle_s: float = 10.0
     settle_s: float = 5.0
     warmup_requests: int = 2
-    request_timeout_s: float = 60.0
+    request_timeout_s: float = 45.0
     #: Seconds one pair's measured phases may take, shared among them: a connector whose
     #: requests take tens of seconds gets fewer requests, not an hour-long run.
-    pair_budget_s: float = 150.0
+    pair_budget_s: float = 120.0
     seed: int = 0
 
     @classmethod
