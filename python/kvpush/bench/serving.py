@@ -94,8 +94,9 @@ DECODE_ENGINE = "bench-decode"
 BLOCK_SIZE = 128  # vLLM's CPU default; P and D must agree (docs/vllm-cpu.md)
 START_TIMEOUT_S = 420.0
 TIMELINE_WAIT_S = 5.0
-#: Every phase may send for at least this long, however slow the phases before it were: one
-#: request one at a time, the first seconds of a Poisson schedule.
+#: A load phase may send for at least this long, however slow the phases before it were (the
+#: first seconds of its Poisson schedule): the comparison at load is the one that matters most.
+#: A one-at-a-time phase that starts with the budget spent sends nothing.
 MIN_PHASE_S = 5.0
 FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
@@ -709,12 +710,12 @@ class ServingBench:
         budget_end = time.monotonic() + c.pair_budget_s
         phases_left = len(c.sequential_lengths) + len(c.loads)
 
-        def phase_stop() -> float:
+        def phase_stop(minimum_s: float = 0.0) -> float:
             """This phase's share of what is left of the pair's budget."""
             nonlocal phases_left
             share = max(0.0, budget_end - time.monotonic()) / max(phases_left, 1)
             phases_left -= 1
-            return time.monotonic() + max(share, MIN_PHASE_S)
+            return time.monotonic() + max(share, minimum_s)
 
         for length in c.sequential_lengths:
             name = f"sequential {length}"
@@ -742,7 +743,7 @@ class ServingBench:
                 f"[{label}] {name}: {c.load_requests} requests of {c.load_length} tokens, "
                 f"Poisson {rate:.2f}/s"
             )
-            samples = send_all(prompts, offsets, phase_stop())
+            samples = send_all(prompts, offsets, phase_stop(MIN_PHASE_S))
             run.phases.append(Phase(name, c.load_length, rate, load, samples, len(prompts)))
             self._report_phase(label, run.phases[-1])
         after = _metrics(decode), _metrics(prefill)

@@ -646,9 +646,10 @@ section), sends unmeasured warm-up requests (handshakes), then the same prompts 
 arrival times: every prompt length one request at a time, then open-loop Poisson arrivals of one
 length at multiples of P's prefill capacity (measured on the same pair without a connector):
 below 1, P keeps up; above 1, P saturates and requests queue on it. Answers are {max_tokens}
-tokens, greedy, `ignore_eos`. Each pair's phases share a time budget ({budget:g} s; each phase
-may send for at least {min_phase:g} s), so a connector whose requests take tens of seconds sends
-fewer of them (`not sent` below) instead of stretching the run.
+tokens, greedy, `ignore_eos`. Each pair's phases share a time budget ({budget:g} s, split evenly
+over the phases left; a load phase may send for at least {min_phase:g} s), so a connector whose
+requests take tens of seconds sends fewer of them (`not sent` below) instead of stretching the
+run.
 
 The bench client routes every request itself, so all connectors see the same client. **Push**
 (kvpush and upstream `NixlPushConnector`): P's leg (`max_tokens` 1, `do_remote_decode`) and D's
