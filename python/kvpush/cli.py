@@ -176,38 +176,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transfer.set_defaults(run=_bench_transfer)
 
-    from kvpush.bench import idle
+    from kvpush.bench import control, idle, serving
 
-    idle_command = benches.add_parser(
-        "idle",
-        help="CPU an idle, warm P+D pair burns: kvpush endpoints vs NIXL agents as vLLM makes them",
-        description=idle.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    idle.add_arguments(idle_command)
-    idle_command.set_defaults(run=idle.main)
-
-    from kvpush.bench import control
-
-    control_command = benches.add_parser(
-        "control",
-        help="P's per-request control path and matching under load: kvpush vs vLLM's code",
-        description=control.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    control.add_arguments(control_command)
-    control_command.set_defaults(run=control.main)
-
-    from kvpush.bench import serving
-
-    serving_command = benches.add_parser(
-        "serving",
-        help="kvpush vs vLLM's NixlPushConnector and NixlConnector on real vLLM pairs",
-        description=serving.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    serving.add_arguments(serving_command)
-    serving_command.set_defaults(run=serving.main)
+    for name, module, summary in (
+        ("idle", idle, "CPU an idle, warm P+D pair burns: kvpush endpoints vs NIXL agents"),
+        ("control", control, "P's per-request control path and matching: kvpush vs vLLM's code"),
+        ("serving", serving, "kvpush vs vLLM's NixlPushConnector and NixlConnector, real servers"),
+    ):
+        command = benches.add_parser(
+            name,
+            help=summary,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(command)
+        command.set_defaults(run=module.main)
 
     from kvpush import proxy
 
