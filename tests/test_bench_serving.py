@@ -432,3 +432,9 @@ def test_an_upstream_phase_without_one_success_is_noted_not_compared() -> None:
     verdict = serving_report.handover_verdict(result)
     assert verdict.met is True
     assert "NixlPushConnector at 1024 at 1.5x had no successful request" in verdict.text
+
+
+def test_a_handover_at_or_below_zero_is_not_given_a_ratio() -> None:
+    result = fake_result(kvpush_handover=-0.005)
+    assert "kvpush <= 0" in serving_report.ratio_table(result).text()
+    assert serving_report.handover_verdict(result).met is True

@@ -152,6 +152,9 @@ def _pct(value: float | None) -> str:
 def _ratio(a: float, b: float) -> str:
     if _nan(a) or _nan(b):
         return "n/a"
+    if a <= 0 < b:
+        # A push handover can be <= 0: D's first token beat P's own answer to the client.
+        return "kvpush <= 0"
     return ratio(a, b)
 
 
