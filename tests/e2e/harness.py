@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush import servers
+from kvpush.bench.serving_client import PULL_PREFILL_PARAMS
+from kvpush.proxy import PrefillInstance, decode_body, prefill_body
 from kvpush.servers import (
     HOST,
     clean_shm,
@@ -167,33 +169,16 @@ def push_completion(prefill: PrefillEndpoint, decode: VllmServer, body: JSON) ->
     request_id = str(uuid.uuid4())
     transfer_id = str(uuid.uuid4())
     headers = {"X-Request-Id": request_id}
-    p_body = dict(body)
-    p_body["max_tokens"] = 1
-    if "max_completion_tokens" in p_body:
-        p_body["max_completion_tokens"] = 1
-    p_body["stream"] = False
-    p_body["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-        "transfer_id": transfer_id,
-    }
-    d_body = dict(body)
-    d_body["stream"] = False
-    d_body["kv_transfer_params"] = {
-        "do_remote_decode": False,
-        "do_remote_prefill": True,
-        "remote_engine_id": prefill.engine_id,
-        "remote_host": prefill.side_channel_host,
-        "remote_port": prefill.side_channel_port,
-        "tp_size": prefill.tp_size,
-        "pp_size": prefill.pp_size,
-        "remote_request_id": request_id,
-        "transfer_id": transfer_id,
-    }
+    instance = PrefillInstance(
+        prefill.server.url,
+        prefill.engine_id,
+        prefill.side_channel_host,
+        prefill.side_channel_port,
+        prefill.tp_size,
+        prefill.pp_size,
+    )
+    p_body = {**prefill_body(body, transfer_id), "stream": False}
+    d_body = {**decode_body(body, instance, request_id, transfer_id), "stream": False}
     results: dict[str, JSON] = {}
     seconds: dict[str, float] = {}
     errors: dict[str, BaseException] = {}
@@ -234,17 +219,8 @@ def pull_completion(prefill: VllmServer, decode: VllmServer, body: JSON) -> Disa
     """
     request_id = str(uuid.uuid4())
     headers = {"X-Request-Id": request_id}
-    p_body = dict(body)
-    p_body["max_tokens"] = 1
-    p_body["stream"] = False
-    p_body["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    p_body = {**body, "max_tokens": 1, "stream": False}
+    p_body["kv_transfer_params"] = dict(PULL_PREFILL_PARAMS)
     start = time.monotonic()
     p_response = prefill.post("/v1/completions", p_body, headers=headers)
     prefill_s = time.monotonic() - start
