@@ -53,6 +53,7 @@ from typing import Literal
 import numpy as np
 
 import kvpush
+from kvpush.bench import report
 from kvpush.bench.report import Table, bar_chart, line_chart, ratio, replace_section, seconds
 from kvpush.bench.vllm_baseline import Side, VllmUnavailableError, VllmWriter, vllm_version
 
@@ -423,7 +424,7 @@ def _repeats(config: ControlConfig, case: Case) -> int:
 def run(config: ControlConfig, progress: Callable[[str], None] = print) -> ControlResult:
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
-    load_before = _load()
+    load_before = report.load_average()
     results: list[CaseResult] = []
     all_cases = cases(config)
     for index, case in enumerate(all_cases, 1):
@@ -451,33 +452,13 @@ def run(config: ControlConfig, progress: Callable[[str], None] = print) -> Contr
         matching,
         started,
         elapsed,
-        _machine(load_before, _load()),
+        _machine(load_before, report.load_average()),
     )
 
 
-def _load() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
 def _machine(before: str, after: str) -> str:
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            model = next(
-                (
-                    line.split(":", 1)[1].strip()
-                    for line in cpuinfo
-                    if line.startswith("model name")
-                ),
-                model,
-            )
-    except OSError:
-        pass
     return (
-        f"{os.cpu_count()} cores ({model}), Linux {platform.release()}, Python "
+        f"{os.cpu_count()} cores ({report.cpu_model()}), Linux {platform.release()}, Python "
         f"{platform.python_version()}, numpy {np.__version__}, vLLM {vllm_version()}, kvpush "
         f"{kvpush.__version__}; shared with other jobs (load average {before} before, {after} "
         "after), so absolute times are noisy and the side-by-side ratios are what matters"

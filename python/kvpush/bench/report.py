@@ -6,6 +6,7 @@ section and keeps every other one, so each benchmark can be rerun on its own.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,25 @@ def seconds(value: float | None) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g} {unit}"
     return f"{value / 1e-9:.3g} ns"
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (``n/a`` where the platform has none)."""
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def replace_section(path: Path, heading: str, body: str) -> None:

