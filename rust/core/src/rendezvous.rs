@@ -50,11 +50,12 @@
 //! waits for its own deadline instead of failing fast (slower, still correct).
 
 use std::cmp::Reverse;
-use std::collections::hash_map::DefaultHasher;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 use std::fmt;
-use std::hash::{Hash, Hasher};
+use std::hash::BuildHasher;
 use std::time::{Duration, Instant};
+
+use hashbrown::HashTable;
 
 use crate::key::TransferKey;
 use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
@@ -273,12 +274,23 @@ impl RendezvousError {
     }
 }
 
+/// How keys are hashed. Keys come from peers and, through request ids, from clients, so the
+/// hash is SipHash with per-table random keys (std's `RandomState`): nobody can aim keys at one
+/// shard or one bucket chain. Under loom the keys are fixed, because a model must replay the
+/// same execution (and so pick the same shards) on every run.
+#[cfg(not(loom))]
+type KeyHasher = std::hash::RandomState;
+#[cfg(loom)]
+type KeyHasher = std::hash::BuildHasherDefault<std::hash::DefaultHasher>;
+
 /// Keys, their states and deadlines, sharded; see the module docs.
 ///
 /// `R` is D's registration and `K` P's ready payload. `K` is cloned under a shard lock (once per
 /// match), so make it cheap to clone, e.g. an `Arc<[u32]>` of block ids.
 pub struct RendezvousTable<R, K> {
     shards: Box<[Mutex<Shard<R, K>>]>,
+    /// Hashes keys for both the shard and the lookup in it; keyed (see [`KeyHasher`]).
+    hasher: KeyHasher,
     /// `shards.len() - 1`; the length is a power of two.
     shard_mask: usize,
     max_entries: usize,
@@ -316,6 +328,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         let shards = config.shards.max(1).next_power_of_two();
         Self {
             shards: (0..shards).map(|_| Mutex::new(Shard::default())).collect(),
+            hasher: KeyHasher::default(),
             shard_mask: shards - 1,
             max_entries: config.max_entries,
             fence_ttl: config.fence_ttl,
@@ -337,9 +350,10 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         deadline: Instant,
         now: Instant,
     ) -> Result<Arrival<R, K>, RendezvousError> {
-        let mut shard = self.shard(&key);
-        let Some(taken) = self.take(&mut shard, &key, now) else {
-            self.admit(&mut shard, key, State::Registered { epoch, registration, deadline })?;
+        let (hash, mut shard) = self.shard(&key);
+        let Some(taken) = self.take(&mut shard, hash, &key, now) else {
+            let state = State::Registered { epoch, registration, deadline };
+            self.admit(&mut shard, hash, key, state)?;
             return Ok(Arrival::Waiting { superseded: None });
         };
         let stale = |current| Err(RendezvousError::StaleEpoch { key: key.clone(), epoch, current });
@@ -434,7 +448,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 Err(RendezvousError::Fenced { key: key.clone(), reason }),
             ),
         };
-        self.settle(&mut shard, key, taken.kind, state, now);
+        self.settle(&mut shard, taken.key, taken.kind, state, now);
         result
     }
 
@@ -449,9 +463,9 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         deadline: Instant,
         now: Instant,
     ) -> Result<Arrival<R, K>, RendezvousError> {
-        let mut shard = self.shard(&key);
-        let Some(taken) = self.take(&mut shard, &key, now) else {
-            self.admit(&mut shard, key, State::Ready { ready, deadline })?;
+        let (hash, mut shard) = self.shard(&key);
+        let Some(taken) = self.take(&mut shard, hash, &key, now) else {
+            self.admit(&mut shard, hash, key, State::Ready { ready, deadline })?;
             return Ok(Arrival::Waiting { superseded: None });
         };
         let (state, result) = match taken.state {
@@ -473,7 +487,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 (state, Err(RendezvousError::DuplicateReady { key: key.clone() }))
             }
         };
-        self.settle(&mut shard, key, taken.kind, state, now);
+        self.settle(&mut shard, taken.key, taken.kind, state, now);
         result
     }
 
@@ -483,10 +497,10 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     /// [`finish`](Self::finish), and a re-registration waits for it. On error, drop the match
     /// without writing; [`RendezvousError::Fenced`] says how the transfer ended.
     pub fn begin_write(&self, key: &TransferKey, epoch: Epoch) -> Result<(), RendezvousError> {
-        let mut shard = self.shard(key);
+        let (hash, mut shard) = self.shard(key);
         // Without `now`, a fence that has lapsed but not yet been collected still refuses, which
         // errs on the side of not writing.
-        let Some(taken) = take_entry(&mut shard, key) else {
+        let Some(taken) = take_entry(&mut shard, hash, key) else {
             return Err(RendezvousError::NotMatched { key: key.clone(), epoch });
         };
         let (state, result) = match taken.state {
@@ -501,7 +515,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             state => (state, Err(RendezvousError::NotMatched { key: key.clone(), epoch })),
         };
         // Only live-to-live or fence-to-fence here, so no counter changes and no `now` needed.
-        shard.put(key.clone(), taken.kind, state);
+        shard.put(taken.key, taken.kind, state);
         result
     }
 
@@ -517,8 +531,8 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         outcome: Outcome,
         now: Instant,
     ) -> Result<Finished<R, K>, RendezvousError> {
-        let mut shard = self.shard(key);
-        let Some(taken) = self.take(&mut shard, key, now) else {
+        let (hash, mut shard) = self.shard(key);
+        let Some(taken) = self.take(&mut shard, hash, key, now) else {
             return Err(RendezvousError::NotMatched { key: key.clone(), epoch });
         };
         let (state, result) = match taken.state {
@@ -557,7 +571,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             ),
             state => (state, Err(RendezvousError::NotMatched { key: key.clone(), epoch })),
         };
-        self.settle(&mut shard, key.clone(), taken.kind, state, now);
+        self.settle(&mut shard, taken.key, taken.kind, state, now);
         result
     }
 
@@ -572,10 +586,10 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     /// registered) is refused at once.
     pub fn cancel(&self, key: &TransferKey, epoch: Option<Epoch>, now: Instant) -> Cancelled<R, K> {
         let covers = |current: Epoch| epoch.is_none_or(|epoch| epoch >= current);
-        let mut shard = self.shard(key);
-        let Some(taken) = self.take(&mut shard, key, now) else {
+        let (hash, mut shard) = self.shard(key);
+        let Some(taken) = self.take(&mut shard, hash, key, now) else {
             let fence = self.fence_from(FenceReason::Cancelled, now);
-            self.settle(&mut shard, key.clone(), Kind::Absent, fence, now);
+            self.settle(&mut shard, StoredKey { hash, key: key.clone() }, Kind::Absent, fence, now);
             return Cancelled::NotFound;
         };
         let (state, result) = match taken.state {
@@ -611,7 +625,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             // A stale cancel (its registration was superseded and never written) or a fence.
             state => (state, Cancelled::NotFound),
         };
-        self.settle(&mut shard, key.clone(), taken.kind, state, now);
+        self.settle(&mut shard, taken.key, taken.kind, state, now);
         result
     }
 
@@ -653,15 +667,14 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         self.shards.iter().map(|shard| lock(shard).deadlines.len()).sum()
     }
 
-    fn shard(&self, key: &TransferKey) -> MutexGuard<'_, Shard<R, K>> {
-        // A fixed-key hasher: the shard of a key must not depend on the process or the run, so
-        // loom models and tests are reproducible. Keys come from the router, not an attacker who
-        // could aim them at one shard (and a crowded shard is still correct, only slower).
-        let mut hasher = DefaultHasher::new();
-        key.hash(&mut hasher);
-        // Truncating the hash is intended: only the low bits choose the shard.
-        let index = hasher.finish() as usize & self.shard_mask;
-        lock(&self.shards[index])
+    /// Hashes `key` once, for both the shard and the lookup in it, and locks its shard.
+    fn shard(&self, key: &TransferKey) -> (u64, MutexGuard<'_, Shard<R, K>>) {
+        let hash = self.hasher.hash_one(key.as_str());
+        // The map inside a shard indexes buckets by the low bits and tags them with the top 7,
+        // so the shard takes bits from the middle: keys of one shard still spread over its map.
+        // Truncating is intended: only `shard_mask`'s bits are kept.
+        let index = (hash >> SHARD_HASH_SHIFT) as usize & self.shard_mask;
+        (hash, lock(&self.shards[index]))
     }
 
     /// Removes `key`'s entry for an operation that will [`settle`](Self::settle) it again; a
@@ -669,10 +682,11 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     fn take(
         &self,
         shard: &mut Shard<R, K>,
+        hash: u64,
         key: &TransferKey,
         now: Instant,
     ) -> Option<Taken<R, K>> {
-        let taken = take_entry(shard, key)?;
+        let taken = take_entry(shard, hash, key)?;
         match taken.state {
             State::Fenced { until, .. } if until <= now => {
                 // Relaxed: a counter changed under the shard lock; see `settle`.
@@ -687,13 +701,14 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     fn admit(
         &self,
         shard: &mut Shard<R, K>,
+        hash: u64,
         key: TransferKey,
         state: State<R, K>,
     ) -> Result<(), RendezvousError> {
         if !reserve(&self.live, self.max_entries) {
             return Err(RendezvousError::TableFull { key, capacity: self.max_entries });
         }
-        shard.put(key, Kind::Live(None), state);
+        shard.put(StoredKey { hash, key }, Kind::Live(None), state);
         Ok(())
     }
 
@@ -712,7 +727,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     fn settle(
         &self,
         shard: &mut Shard<R, K>,
-        key: TransferKey,
+        key: StoredKey,
         was: Kind,
         state: State<R, K>,
         now: Instant,
@@ -741,14 +756,14 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     ) -> bool {
         for _ in 0..EXPIRE_BATCH {
             let Some(item) = shard.pop_due(now) else { return false };
-            let current = shard.entries.get(&item.key).and_then(|entry| entry.tracked);
-            if current.map(|tracked| tracked.generation) != Some(item.generation) {
+            let Ok(current) = shard.entries.find_entry(item.hash, |entry| item.is_current(entry))
+            else {
                 // A stale item: the entry's due time changed (or it ended) since it was pushed.
                 continue;
-            }
-            let Some(entry) = shard.entries.remove(&item.key) else { continue };
-            let key = item.key;
-            let (registration, ready, was_matched) = match entry.state {
+            };
+            let (entry, _) = current.remove();
+            let Entry { key, state, tracked } = entry;
+            let (registration, ready, was_matched) = match state {
                 State::Fenced { .. } => {
                     // Relaxed: a counter changed under the shard lock; see `settle`.
                     self.fences.fetch_sub(1, Ordering::Relaxed);
@@ -762,19 +777,23 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 state @ State::InFlight { .. } => {
                     // In-flight entries are untracked, so no item is current for one; put it
                     // back should that ever change rather than expire a write.
-                    shard.put(key, Kind::Live(entry.tracked), state);
+                    shard.put(key, Kind::Live(tracked), state);
                     continue;
                 }
             };
             // The key ended at its deadline, not when this call noticed: the fence lapses
             // `fence_ttl` after `item.at`.
             let fence = self.fence_from(FenceReason::Expired, item.at);
-            self.settle(shard, key.clone(), Kind::Live(entry.tracked), fence, now);
-            expired.push(Expired { key, registration, ready, was_matched });
+            let transfer = key.key.clone();
+            self.settle(shard, key, Kind::Live(tracked), fence, now);
+            expired.push(Expired { key: transfer, registration, ready, was_matched });
         }
         true
     }
 }
+
+/// Bits of a key's hash below the ones that choose its shard; see [`RendezvousTable::shard`].
+const SHARD_HASH_SHIFT: u32 = 32;
 
 /// Takes one slot of `counter` if it is below `capacity`.
 fn reserve(counter: &AtomicUsize, capacity: usize) -> bool {
@@ -785,19 +804,23 @@ fn reserve(counter: &AtomicUsize, capacity: usize) -> bool {
         .is_ok()
 }
 
-/// Removes `key`'s entry from `shard`, noting what kind of entry it was.
-fn take_entry<R, K>(shard: &mut Shard<R, K>, key: &TransferKey) -> Option<Taken<R, K>> {
-    let Entry { state, tracked } = shard.entries.remove(key)?;
+/// Removes `key`'s entry (hashed to `hash`) from `shard`, noting what kind of entry it was.
+fn take_entry<R, K>(shard: &mut Shard<R, K>, hash: u64, key: &TransferKey) -> Option<Taken<R, K>> {
+    let found =
+        shard.entries.find_entry(hash, |entry| entry.key.hash == hash && entry.key.key == *key);
+    let (Entry { key, state, tracked }, _) = found.ok()?.remove();
     let kind = match state {
         State::Fenced { .. } => Kind::Fence(tracked),
         _ => Kind::Live(tracked),
     };
-    Some(Taken { state, kind })
+    Some(Taken { key, state, kind })
 }
 
 /// One shard: each key's entry, and the heap of due times that `expire` pops.
 struct Shard<R, K> {
-    entries: HashMap<TransferKey, Entry<R, K>>,
+    /// Entries found by their key's hash, which each entry keeps so that neither a lookup nor a
+    /// resize hashes a key again.
+    entries: HashTable<Entry<R, K>>,
     /// Earliest first. Holds at most one current item per entry, plus stale ones that are
     /// skipped when popped and dropped by [`Shard::compact`].
     deadlines: BinaryHeap<Reverse<Due>>,
@@ -807,14 +830,14 @@ struct Shard<R, K> {
 
 impl<R, K> Default for Shard<R, K> {
     fn default() -> Self {
-        Self { entries: HashMap::new(), deadlines: BinaryHeap::new(), next_generation: 0 }
+        Self { entries: HashTable::new(), deadlines: BinaryHeap::new(), next_generation: 0 }
     }
 }
 
 impl<R, K> Shard<R, K> {
     /// Inserts `key` in `state`, pushing a heap item when the state's due time differs from the
     /// one the entry is tracked at, and rebuilding the heap when stale items pile up.
-    fn put(&mut self, key: TransferKey, was: Kind, state: State<R, K>) {
+    fn put(&mut self, key: StoredKey, was: Kind, state: State<R, K>) {
         let tracked = match was {
             Kind::Absent => None,
             Kind::Live(tracked) | Kind::Fence(tracked) => tracked,
@@ -825,11 +848,12 @@ impl<R, K> Shard<R, K> {
             (Some(at), _) => {
                 let generation = self.next_generation;
                 self.next_generation += 1;
-                self.deadlines.push(Reverse(Due { at, generation, key: key.clone() }));
+                self.deadlines.push(Reverse(Due { at, generation, hash: key.hash }));
                 Some(Tracked { at, generation })
             }
         };
-        self.entries.insert(key, Entry { state, tracked });
+        let hash = key.hash;
+        self.entries.insert_unique(hash, Entry { key, state, tracked }, |entry| entry.key.hash);
         // Rebuilding costs O(heap) but leaves at most one item per entry, so it runs at most
         // once per `entries.len() + HEAP_SLACK` pushes: O(1) amortised.
         if self.deadlines.len() > 2 * self.entries.len() + HEAP_SLACK {
@@ -841,8 +865,7 @@ impl<R, K> Shard<R, K> {
     fn compact(&mut self) {
         let entries = &self.entries;
         self.deadlines.retain(|Reverse(item)| {
-            entries.get(&item.key).and_then(|entry| entry.tracked).map(|t| t.generation)
-                == Some(item.generation)
+            entries.find(item.hash, |entry| item.is_current(entry)).is_some()
         });
     }
 
@@ -855,8 +878,15 @@ impl<R, K> Shard<R, K> {
     }
 }
 
+/// A key as a shard keeps it: with its hash.
+struct StoredKey {
+    hash: u64,
+    key: TransferKey,
+}
+
 /// A key's entry: its state and the heap item that is current for it.
 struct Entry<R, K> {
+    key: StoredKey,
     state: State<R, K>,
     /// The heap item for `state.due()`; `None` while in flight (nothing to expire).
     tracked: Option<Tracked>,
@@ -869,16 +899,25 @@ struct Tracked {
     generation: u64,
 }
 
-/// A heap item: `key` falls due at `at`, if its entry is still tracked at `generation`.
+/// A heap item: the entry whose key hashes to `hash` falls due at `at`, if that entry is still
+/// tracked at `generation` (unique in the shard, so it names the entry without its key).
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
 struct Due {
     at: Instant,
     generation: u64,
-    key: TransferKey,
+    hash: u64,
+}
+
+impl Due {
+    /// Whether this item is `entry`'s current one.
+    fn is_current<R, K>(&self, entry: &Entry<R, K>) -> bool {
+        entry.tracked.is_some_and(|tracked| tracked.generation == self.generation)
+    }
 }
 
 /// What an operation took out of a shard, to put back (changed or not) with [`Shard::put`].
 struct Taken<R, K> {
+    key: StoredKey,
     state: State<R, K>,
     kind: Kind,
 }
