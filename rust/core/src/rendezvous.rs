@@ -39,10 +39,12 @@
 //!
 //! Callers pass time in (`now`, `deadline`); the table never reads a clock, so tests are
 //! deterministic. [`RendezvousTable::expire`] pops each shard's deadline heap instead of scanning
-//! its map. Heap items are invalidated lazily (each carries the generation of the entry state it
-//! was pushed for) and a shard rebuilds its heap when stale items outnumber live ones, so memory
-//! stays proportional to what the table holds: live entries are capped at
-//! [`TableConfig::max_entries`], and so are fences.
+//! its map. The heap is kept lazily: an entry whose due time moves later (a fence after a write)
+//! keeps its item and is queued again when that item pops, and an item made stale (the due time
+//! moved earlier, or the entry ended) carries a generation that no longer matches and is skipped.
+//! A shard rebuilds its heap when stale items outnumber live ones, so memory stays proportional
+//! to what the table holds: live entries are capped at [`TableConfig::max_entries`], and so are
+//! fences.
 //!
 //! A fence lasts `fence_ttl` from when its key ended; an expired key ended at its deadline, so
 //! `expire(far future)` empties the table in one call. When `max_entries` fences are held, a key
@@ -664,7 +666,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     /// Deadline-heap items over all shards, stale ones included: shows that the lazily cleaned
     /// heaps stay bounded by what the table holds.
     pub fn tracked_deadlines(&self) -> usize {
-        self.shards.iter().map(|shard| lock(shard).deadlines.len()).sum()
+        self.shards.iter().map(|shard| lock(shard).deadlines.heap.len()).sum()
     }
 
     /// Hashes `key` once, for both the shard and the lookup in it, and locks its shard.
@@ -755,14 +757,24 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         expired: &mut Vec<Expired<R, K>>,
     ) -> bool {
         for _ in 0..EXPIRE_BATCH {
-            let Some(item) = shard.pop_due(now) else { return false };
+            let Some(item) = shard.deadlines.pop_due(now) else { return false };
             let Ok(current) = shard.entries.find_entry(item.hash, |entry| item.is_current(entry))
             else {
-                // A stale item: the entry's due time changed (or it ended) since it was pushed.
+                // A stale item: the entry's due time moved earlier (or it ended) since this item
+                // was pushed.
                 continue;
             };
-            let (entry, _) = current.remove();
-            let Entry { key, state, tracked } = entry;
+            let ended = match current.get().state.due() {
+                Some(at) if at <= now => at,
+                due => {
+                    // Due later than this item (its due time moved on without a push; see
+                    // `Shard::put`), or in flight: queue it at its due time, or not at all.
+                    current.into_mut().tracked = due.map(|at| shard.deadlines.push(at, item.hash));
+                    continue;
+                }
+            };
+            // The entry's item is the one just popped: what it becomes is tracked afresh.
+            let (Entry { key, state, .. }, _) = current.remove();
             let (registration, ready, was_matched) = match state {
                 State::Fenced { .. } => {
                     // Relaxed: a counter changed under the shard lock; see `settle`.
@@ -775,17 +787,17 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 State::Ready { ready, .. } => (None, Some(ready), false),
                 State::Matched { ready, .. } => (None, Some(ready), true),
                 state @ State::InFlight { .. } => {
-                    // In-flight entries are untracked, so no item is current for one; put it
-                    // back should that ever change rather than expire a write.
-                    shard.put(key, Kind::Live(tracked), state);
+                    // Never due, so never here; put it back should that change rather than
+                    // expire a write.
+                    shard.put(key, Kind::Live(None), state);
                     continue;
                 }
             };
             // The key ended at its deadline, not when this call noticed: the fence lapses
-            // `fence_ttl` after `item.at`.
-            let fence = self.fence_from(FenceReason::Expired, item.at);
+            // `fence_ttl` after it.
+            let fence = self.fence_from(FenceReason::Expired, ended);
             let transfer = key.key.clone();
-            self.settle(shard, key, Kind::Live(tracked), fence, now);
+            self.settle(shard, key, Kind::Live(None), fence, now);
             expired.push(Expired { key: transfer, registration, ready, was_matched });
         }
         true
@@ -821,42 +833,38 @@ struct Shard<R, K> {
     /// Entries found by their key's hash, which each entry keeps so that neither a lookup nor a
     /// resize hashes a key again.
     entries: HashTable<Entry<R, K>>,
-    /// Earliest first. Holds at most one current item per entry, plus stale ones that are
-    /// skipped when popped and dropped by [`Shard::compact`].
-    deadlines: BinaryHeap<Reverse<Due>>,
-    /// Source of heap-item generations; unique within the shard.
-    next_generation: u64,
+    deadlines: Deadlines,
 }
 
 impl<R, K> Default for Shard<R, K> {
     fn default() -> Self {
-        Self { entries: HashTable::new(), deadlines: BinaryHeap::new(), next_generation: 0 }
+        Self { entries: HashTable::new(), deadlines: Deadlines::default() }
     }
 }
 
 impl<R, K> Shard<R, K> {
-    /// Inserts `key` in `state`, pushing a heap item when the state's due time differs from the
-    /// one the entry is tracked at, and rebuilding the heap when stale items pile up.
+    /// Inserts `key` in `state`, pushing a heap item only when the state falls due before the
+    /// item the entry is tracked by, and rebuilding the heap when stale items pile up.
+    ///
+    /// An entry whose due time moves later (a fence after a write, a later registration deadline)
+    /// or goes away (in flight) keeps its item: when it pops, `expire` queues the entry again at
+    /// its due time, or drops it. Most lifecycles thus push one item, not one per due time.
     fn put(&mut self, key: StoredKey, was: Kind, state: State<R, K>) {
         let tracked = match was {
             Kind::Absent => None,
             Kind::Live(tracked) | Kind::Fence(tracked) => tracked,
         };
         let tracked = match (state.due(), tracked) {
-            (None, _) => None,
-            (Some(at), Some(tracked)) if tracked.at == at => Some(tracked),
-            (Some(at), _) => {
-                let generation = self.next_generation;
-                self.next_generation += 1;
-                self.deadlines.push(Reverse(Due { at, generation, hash: key.hash }));
-                Some(Tracked { at, generation })
+            (Some(at), tracked) if tracked.is_none_or(|tracked| at < tracked.at) => {
+                Some(self.deadlines.push(at, key.hash))
             }
+            (_, tracked) => tracked,
         };
         let hash = key.hash;
         self.entries.insert_unique(hash, Entry { key, state, tracked }, |entry| entry.key.hash);
         // Rebuilding costs O(heap) but leaves at most one item per entry, so it runs at most
         // once per `entries.len() + HEAP_SLACK` pushes: O(1) amortised.
-        if self.deadlines.len() > 2 * self.entries.len() + HEAP_SLACK {
+        if self.deadlines.heap.len() > 2 * self.entries.len() + HEAP_SLACK {
             self.compact();
         }
     }
@@ -864,15 +872,34 @@ impl<R, K> Shard<R, K> {
     /// Drops heap items that are no longer their entry's current one.
     fn compact(&mut self) {
         let entries = &self.entries;
-        self.deadlines.retain(|Reverse(item)| {
+        self.deadlines.heap.retain(|Reverse(item)| {
             entries.find(item.hash, |entry| item.is_current(entry)).is_some()
         });
     }
+}
 
-    /// Pops the earliest heap item if it is due at `now`.
+/// A shard's heap of due times, earliest first. Holds at most one current item per entry, plus
+/// stale ones that are skipped when popped and dropped by [`Shard::compact`].
+#[derive(Default)]
+struct Deadlines {
+    heap: BinaryHeap<Reverse<Due>>,
+    /// Source of heap-item generations; unique within the shard.
+    next_generation: u64,
+}
+
+impl Deadlines {
+    /// Queues the entry whose key hashes to `hash` at `at`; the entry is tracked by the result.
+    fn push(&mut self, at: Instant, hash: u64) -> Tracked {
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        self.heap.push(Reverse(Due { at, generation, hash }));
+        Tracked { at, generation }
+    }
+
+    /// Pops the earliest item if it is due at `now`.
     fn pop_due(&mut self, now: Instant) -> Option<Due> {
-        match self.deadlines.peek() {
-            Some(Reverse(item)) if item.at <= now => self.deadlines.pop().map(|Reverse(item)| item),
+        match self.heap.peek() {
+            Some(Reverse(item)) if item.at <= now => self.heap.pop().map(|Reverse(item)| item),
             _ => None,
         }
     }
@@ -888,11 +915,12 @@ struct StoredKey {
 struct Entry<R, K> {
     key: StoredKey,
     state: State<R, K>,
-    /// The heap item for `state.due()`; `None` while in flight (nothing to expire).
+    /// The heap item queued for this entry, due at or before `state.due()`; `None` when none is
+    /// (an entry in flight whose item has popped).
     tracked: Option<Tracked>,
 }
 
-/// Which heap item is current for an entry, and the due time it was pushed with.
+/// Which heap item is current for an entry, and the time it was pushed for.
 #[derive(Clone, Copy, PartialEq, Eq)]
 struct Tracked {
     at: Instant,
@@ -1233,6 +1261,31 @@ mod tests {
         let expired = table.expire(c.at(100));
         assert_eq!(expired.len(), 1);
         assert_eq!(expired[0].registration, Some((2, "d2")));
+    }
+
+    #[test]
+    fn an_entry_due_later_than_its_heap_item_waits_for_its_own_due_time() {
+        let (table, c) = (table(), Clock::new());
+        // Written and fenced before P's deadline: the fence outlives the ready deadline's item.
+        table.ready(key("a"), vec![1], c.at(10), c.at(0)).unwrap();
+        table.register(key("a"), 1, "d", c.at(10), c.at(0)).unwrap();
+        table.begin_write(&key("a"), 1).unwrap();
+        table.finish(&key("a"), 1, Outcome::Done, c.at(5)).unwrap();
+        assert!(table.expire(c.at(10)).is_empty());
+        assert_eq!(table.fences(), 1, "the fence lasts from the finish, not the deadline");
+        assert!(table.register(key("a"), 2, "d", c.at(5_000), c.at(5 + TTL_MS - 1)).is_err());
+        assert!(table.expire(c.at(5 + TTL_MS)).is_empty());
+        assert_eq!((table.fences(), table.tracked_deadlines()), (0, 0));
+
+        // A later registration deadline: the entry expires at it, and is fenced from it.
+        table.register(key("b"), 1, "d1", c.at(10), c.at(0)).unwrap();
+        table.register(key("b"), 2, "d2", c.at(50), c.at(1)).unwrap();
+        let expired = table.expire(c.at(60));
+        assert_eq!(expired.len(), 1);
+        assert_eq!(expired[0].registration, Some((2, "d2")));
+        assert!(table.ready(key("b"), vec![1], c.at(5_000), c.at(50 + TTL_MS - 1)).is_err());
+        assert_eq!(waiting(table.ready(key("b"), vec![1], c.at(5_000), c.at(50 + TTL_MS))), None);
+        assert_drains(&table, &c);
     }
 
     #[test]
