@@ -54,7 +54,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::fmt;
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hasher};
 use std::time::{Duration, Instant};
 
 use hashbrown::HashTable;
@@ -671,7 +671,11 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
 
     /// Hashes `key` once, for both the shard and the lookup in it, and locks its shard.
     fn shard(&self, key: &TransferKey) -> (u64, MutexGuard<'_, Shard<R, K>>) {
-        let hash = self.hasher.hash_one(key.as_str());
+        // The key's bytes alone: `str`'s `Hash` also writes a terminator, which only matters when
+        // hashing several fields into one hash.
+        let mut hasher = self.hasher.build_hasher();
+        hasher.write(key.as_str().as_bytes());
+        let hash = hasher.finish();
         // The map inside a shard indexes buckets by the low bits and tags them with the top 7,
         // so the shard takes bits from the middle: keys of one shard still spread over its map.
         // Truncating is intended: only `shard_mask`'s bits are kept.
