@@ -13,7 +13,9 @@
 //! Instructions per lifecycle are `(Ir(n) - Ir(0)) / n`: the zero run pays the same set-up (key
 //! names, table, process start), so the difference is the lifecycles alone. The lifecycle is the
 //! one `benches/rendezvous.rs` times: key built from a name, ready, register (match), begin,
-//! finish, with the fences expired after each pass over the names.
+//! finish, with the fences expired after each pass over the names. `baseline` does the bare
+//! `Mutex<HashMap>`'s two operations per transfer instead, and `race` the two-thread bench's
+//! halves of `n` transfers.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -26,7 +28,8 @@ use kvpush_core::TransferKey;
 type Table = RendezvousTable<u64, Arc<[u32]>>;
 
 /// Distinct names per pass; fences are expired after each pass, as in the criterion bench.
-const NAMES: usize = 10_000;
+/// `race` takes its keys from the same names, so its `n` is at most this.
+const NAMES: usize = 100_000;
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -63,6 +66,36 @@ fn main() {
                 black_box(baseline.register(key, 7u64));
             }
         }
-        other => panic!("unknown run {other:?}: use table or baseline"),
+        "race" => {
+            // Two threads racing the halves of `n` transfers, as in the criterion bench; callgrind
+            // runs threads one at a time, so this counts the work, not the contention.
+            let table: Arc<Table> = Arc::new(RendezvousTable::new(TableConfig {
+                max_entries: 1 << 20,
+                ..TableConfig::default()
+            }));
+            assert!(n <= NAMES, "race needs n distinct names");
+            let keys = Arc::new(names);
+            let (t, k) = (Arc::clone(&table), Arc::clone(&keys));
+            let d_side = std::thread::spawn(move || {
+                k[..n]
+                    .iter()
+                    .filter(|k| {
+                        let key = TransferKey::from_canonical(k);
+                        matches!(t.register(key, 1, 7, deadline, now), Ok(Arrival::Matched(_)))
+                    })
+                    .count()
+            });
+            let p_matches = keys[..n]
+                .iter()
+                .filter(|k| {
+                    let key = TransferKey::from_canonical(k);
+                    let ready = table.ready(key, Arc::clone(&blocks), deadline, now);
+                    matches!(ready, Ok(Arrival::Matched(_)))
+                })
+                .count();
+            let d_matches = d_side.join().expect("D thread");
+            assert_eq!(p_matches + d_matches, n, "every key matches exactly once");
+        }
+        other => panic!("unknown run {other:?}: use table, baseline or race"),
     }
 }
