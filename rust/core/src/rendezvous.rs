@@ -60,7 +60,7 @@ use std::time::{Duration, Instant};
 use hashbrown::HashTable;
 
 use crate::key::TransferKey;
-use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
+use crate::sync::{lock, AtomicUsize, CachePadded, Mutex, MutexGuard, Ordering};
 
 /// A registration's generation: D bumps it when it re-registers a transfer (after preemption or
 /// a retry), so the table can tell the current registration from a stale one.
@@ -285,12 +285,16 @@ type KeyHasher = std::hash::RandomState;
 #[cfg(loom)]
 type KeyHasher = std::hash::BuildHasherDefault<std::hash::DefaultHasher>;
 
+/// A shard behind its lock, alone on its cache line so that threads in different shards share no
+/// line.
+type LockedShard<R, K> = CachePadded<Mutex<Shard<R, K>>>;
+
 /// Keys, their states and deadlines, sharded; see the module docs.
 ///
 /// `R` is D's registration and `K` P's ready payload. `K` is cloned under a shard lock (once per
 /// match), so make it cheap to clone, e.g. an `Arc<[u32]>` of block ids.
 pub struct RendezvousTable<R, K> {
-    shards: Box<[Mutex<Shard<R, K>>]>,
+    shards: Box<[LockedShard<R, K>]>,
     /// Hashes keys for both the shard and the lookup in it; keyed (see [`KeyHasher`]).
     hasher: KeyHasher,
     /// `shards.len() - 1`; the length is a power of two.
@@ -298,10 +302,11 @@ pub struct RendezvousTable<R, K> {
     max_entries: usize,
     fence_ttl: Duration,
     /// Live (non-fence) entries over all shards. Changed only under the lock of the shard that
-    /// gains or loses the entry, so it never undercounts what the maps hold.
-    live: AtomicUsize,
+    /// gains or loses the entry, so it never undercounts what the maps hold. Written by every
+    /// thread, so kept off the line of the fields above, which every operation reads.
+    live: CachePadded<AtomicUsize>,
     /// Fences over all shards, maintained like `live`.
-    fences: AtomicUsize,
+    fences: CachePadded<AtomicUsize>,
 }
 
 impl<R, K> fmt::Debug for RendezvousTable<R, K> {
@@ -329,13 +334,13 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     pub fn new(config: TableConfig) -> Self {
         let shards = config.shards.max(1).next_power_of_two();
         Self {
-            shards: (0..shards).map(|_| Mutex::new(Shard::default())).collect(),
+            shards: (0..shards).map(|_| CachePadded(Mutex::new(Shard::default()))).collect(),
             hasher: KeyHasher::default(),
             shard_mask: shards - 1,
             max_entries: config.max_entries,
             fence_ttl: config.fence_ttl,
-            live: AtomicUsize::new(0),
-            fences: AtomicUsize::new(0),
+            live: CachePadded(AtomicUsize::new(0)),
+            fences: CachePadded(AtomicUsize::new(0)),
         }
     }
 

@@ -27,3 +27,18 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         Err(poisoned) => poisoned.into_inner(),
     }
 }
+
+/// `T` alone on its cache line (two 64-byte lines: x86's spatial prefetcher pulls pairs, and
+/// some Arm cores have 128-byte lines), so that a value one thread writes often does not slow
+/// down another thread reading or writing its neighbours (false sharing).
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub(crate) struct CachePadded<T>(pub(crate) T);
+
+impl<T> std::ops::Deref for CachePadded<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
