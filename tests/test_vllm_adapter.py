@@ -277,14 +277,18 @@ def test_stats_count_transfers_and_time_each_step() -> None:
     assert p.take_stats() is None, "an interval's stats are taken once"
 
 
-def _kvpush_threads() -> dict[str, set[int]]:
-    """This process's kvpush threads: thread id -> the CPUs it may run on."""
+def _threads() -> dict[tuple[str, str], set[int]]:
+    """This process's live threads: (thread id, start time) -> the CPUs it may run on. The start
+    time tells a new thread from an ended one whose id the kernel gave out again. (Names would
+    not do: a thread names itself once it first runs, which on a busy core can be later.)"""
     threads = {}
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as comm:
-            if not comm.read().startswith("kvpush-"):
-                continue
-        threads[tid] = os.sched_getaffinity(int(tid))
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                started = stat.read().rsplit(")", 1)[1].split()[19]
+            threads[(tid, started)] = os.sched_getaffinity(int(tid))
+        except OSError:
+            continue  # ended while we looked
     return threads
 
 
@@ -306,15 +310,15 @@ def test_endpoint_threads_leave_the_core_vllm_pinned_the_worker_to(
         monkeypatch.setenv(THREAD_CPUS_ENV, str(max(engine_cpus)))
     else:
         monkeypatch.delenv(THREAD_CPUS_ENV, raising=False)
-    before = _kvpush_threads()
+    before = _threads()
     previous = os.sched_getaffinity(0)
     os.sched_setaffinity(0, pinned)
     try:
         w = worker(f"pinned-{setting}", cpu_caches(1, 4, 32, seed=None), 32, 0)
         try:
             assert os.sched_getaffinity(0) == pinned, "the worker thread's own pinning changed"
-            born = {tid: cpus for tid, cpus in _kvpush_threads().items() if tid not in before}
-            assert born, "no kvpush threads found"
+            born = {tid: cpus for tid, cpus in _threads().items() if tid not in before}
+            assert born, "the endpoint started no threads"
             assert all(cpus == expected for cpus in born.values()), born
         finally:
             w.close()
@@ -323,7 +327,7 @@ def test_endpoint_threads_leave_the_core_vllm_pinned_the_worker_to(
 
 
 def test_thread_cpu_setting_is_checked() -> None:
-    assert _worker._cpu_list("0,2-4") == {0, 2, 3, 4}
+    assert _worker.cpu_list("0,2-4") == {0, 2, 3, 4}
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(THREAD_CPUS_ENV, "two")
         with pytest.raises(KvPushError, match="KVPUSH_THREAD_CPUS='two'"):

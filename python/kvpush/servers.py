@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import http.client
 import json
 import os
@@ -32,6 +33,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvpush.vllm._worker import cpu_list
 
 HOST = "127.0.0.1"
 SHM = Path("/dev/shm")
@@ -70,9 +73,13 @@ class VllmServer:
     """One vLLM OpenAI-compatible server process.
 
     ``cpu`` is the core its OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``; vLLM's
-    ``auto`` puts every server on core 0). ``kv_transfer_config`` goes to
-    ``--kv-transfer-config`` as JSON; ``side_channel_port`` is ``VLLM_NIXL_SIDE_CHANNEL_PORT``,
-    where a push connector's worker listens. ``python`` must be an interpreter with vLLM.
+    ``auto`` puts every server on core 0). With ``confined`` (the default) the whole server, API
+    server, engine core and worker, may run on ``cpu`` only, as if each server had a host of its
+    own: otherwise a decode server's engine loop, which steps without pause while a request
+    waits for its KV, takes CPU from the prefill server's forward pass on a small machine.
+    ``kv_transfer_config`` goes to ``--kv-transfer-config`` as JSON; ``side_channel_port`` is
+    ``VLLM_NIXL_SIDE_CHANNEL_PORT``, where a push connector's worker listens. ``python`` must be
+    an interpreter with vLLM.
     """
 
     name: str
@@ -87,6 +94,7 @@ class VllmServer:
     extra_args: Sequence[str] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
     python: str = sys.executable
+    confined: bool = True
 
     process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     started_at: float = field(default=0.0, init=False, repr=False)
@@ -161,7 +169,8 @@ class VllmServer:
         self._shm_before = shm_entries()
         settings = " ".join(f"{k}={v}" for k, v in sorted(self.server_environment().items()))
         with self.log_path.open("wb") as log:
-            log.write(f"# {' '.join(self.command())}\n# {settings}\n".encode())
+            confined = f"\n# confined to CPUs {self.cpu}" if self.confined else ""
+            log.write(f"# {' '.join(self.command())}\n# {settings}{confined}\n".encode())
             log.flush()
             self.started_at = time.monotonic()
             self.process = subprocess.Popen(
@@ -171,7 +180,9 @@ class VllmServer:
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 start_new_session=True,
-                preexec_fn=_terminate_with_parent,
+                preexec_fn=functools.partial(
+                    _prepare_child, cpu_list(self.cpu) if self.confined else None
+                ),
             )
 
     @property
@@ -355,12 +366,15 @@ def signal_group(pgid: int, sig: signal.Signals) -> None:
 _PR_SET_PDEATHSIG = 1
 
 
-def _terminate_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (Linux; elsewhere nothing)."""
+def _prepare_child(cpus: set[int] | None) -> None:
+    """In the child before exec: SIGTERM when the parent dies, and confined to ``cpus`` (Linux;
+    elsewhere nothing)."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
 
 
 # --- /dev/shm ----------------------------------------------------------------------------------

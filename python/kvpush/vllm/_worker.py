@@ -32,7 +32,8 @@ TIMELINE_DIR_ENV = "KVPUSH_TIMELINE_DIR"
 THREAD_CPUS_ENV = "KVPUSH_THREAD_CPUS"
 
 
-def _cpu_list(text: str) -> set[int]:
+def cpu_list(text: str) -> set[int]:
+    """CPUs written as Linux lists them: ``0``, ``2,3``, ``4-7``, ``0,2-3``."""
     cpus: set[int] = set()
     for part in text.replace(" ", "").split(","):
         first, _, last = part.partition("-")
@@ -54,7 +55,7 @@ def native_thread_cpus() -> set[int] | None:
         return None
     if configured:
         try:
-            return _cpu_list(configured)
+            return cpu_list(configured)
         except ValueError:
             raise KvPushError(
                 f"{THREAD_CPUS_ENV}={configured!r}: expected 'inherit' or CPUs like '2,3' or '4-7'"
