@@ -1,7 +1,8 @@
 """``kvpush bench serving``: kvpush against vLLM's own NIXL connectors on real vLLM servers.
 
-One prefill server (P, core 0) and one decode server (D, core 1) on localhost, the tiny local
-model (:mod:`kvpush.model`), one pair at a time (:mod:`kvpush.servers`), for each connector:
+One prefill server (P, confined to core 0) and one decode server (D, core 1) on localhost, the
+tiny local model (:mod:`kvpush.model`), one pair at a time (:mod:`kvpush.servers`), for each
+connector:
 
 * ``kvpush``: :class:`kvpush.vllm.KvPushConnector`, push routing;
 * ``NixlPushConnector``: vLLM's push connector, the same push routing;

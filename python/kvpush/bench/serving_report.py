@@ -635,17 +635,17 @@ P2P_FOOTNOTE = (
 
 E2E_INTRO = """\
 `kvpush bench serving` (`python/kvpush/bench/serving.py`) runs real vLLM servers on this machine:
-a prefill server P (OpenMP on core 0) and a decode server D (core 1), the tiny local model
-(`kvpush model make`: Qwen3, 2 layers, fp32, random weights), 128-token blocks, D without prefix
-caching, one pair at a time. For each connector it starts the pair, measures it idle (next
+a prefill server P confined to core 0 and a decode server D confined to core 1 (each server's
+whole process tree, as if each had a host of its own; `docs/vllm-cpu.md` says why), the tiny local
+model (`kvpush model make`: Qwen3, 2 layers, fp32, random weights), 128-token blocks, D without
+prefix caching, one pair at a time. For each connector it starts the pair, measures it idle (next
 section), sends unmeasured warm-up requests (handshakes), then the same prompts at the same
 arrival times: every prompt length one request at a time, then open-loop Poisson arrivals of one
-length at multiples of P's prefill capacity (measured on the same pair without a connector):
-below 1, P keeps up; above 1, P saturates and requests queue on it. Answers are {max_tokens}
-tokens, greedy, `ignore_eos`. Each pair's phases share a time budget ({budget:g} s, split evenly
-over the phases left; a load phase may send for at least {min_phase:g} s), so a connector whose
-requests take tens of seconds sends fewer of them (`not sent` below) instead of stretching the
-run.
+length at multiples of P's prefill capacity (measured on the same pair without a connector): below
+1, P keeps up; above 1, P saturates and requests queue on it. Answers are {max_tokens} tokens,
+greedy, `ignore_eos`. Each pair's phases share a time budget ({budget:g} s, split evenly over the
+phases left; a load phase may send for at least {min_phase:g} s), so a connector whose requests
+take tens of seconds sends fewer of them (`not sent` below) instead of stretching the run.
 
 The bench client routes every request itself, so all connectors see the same client. **Push**
 (kvpush and upstream `NixlPushConnector`): P's leg (`max_tokens` 1, `do_remote_decode`) and D's
