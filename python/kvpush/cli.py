@@ -176,9 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transfer.set_defaults(run=_bench_transfer)
 
-    from kvpush.bench import control, idle, serving
+    from kvpush.bench import control, core, idle, serving
 
     for name, module, summary in (
+        ("core", core, "the Rust core's criterion benches: planner, table vs Mutex<HashMap>"),
         ("idle", idle, "CPU an idle, warm P+D pair burns: kvpush endpoints vs NIXL agents"),
         ("control", control, "P's per-request control path and matching: kvpush vs vLLM's code"),
         ("serving", serving, "kvpush vs vLLM's NixlPushConnector and NixlConnector, real servers"),

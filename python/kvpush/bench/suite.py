@@ -3,13 +3,16 @@ sections of the benchmarks document (``docs/benchmarks.md``) and its plots (``do
 
 The steps, in order (cheap and self-contained first, the vLLM servers last):
 
+* ``core``: the Rust core's criterion benches (planner; rendezvous table vs ``Mutex<HashMap>``);
 * ``control``: P's per-request control path and matching under load, kvpush vs vLLM's code;
 * ``idle``: an idle, warm P+D pair's CPU, kvpush endpoints vs NIXL agents;
 * ``transfer``: the data path against plain NIXL WRITEs, UCX's default transports and tcp;
 * ``serving``: kvpush vs vLLM's NixlPushConnector and NixlConnector on real vLLM pairs.
 
 A step that fails is reported and the others still run; the exit status says whether all ran.
-They need vLLM and NIXL's Python API (``scripts/dev bench`` runs them in ``.venv-vllm``).
+They need vLLM and NIXL's Python API (``scripts/dev bench`` runs them in ``.venv-vllm``), and
+``core`` a source checkout with cargo. Sections not written by a step (the profiling records at
+the end of the document) are history: before/after figures of changes, kept as written.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from pathlib import Path
 
 from kvpush.bench import report
 
-STEPS = ("control", "idle", "transfer", "serving")
+STEPS = ("core", "control", "idle", "transfer", "serving")
+
+
+def _core(doc: Path, quick: bool) -> int:
+    from kvpush.bench import core
+
+    return core.main(argparse.Namespace(quick=quick, markdown=str(doc)))
 
 
 def _control(doc: Path, quick: bool) -> int:
@@ -67,6 +76,7 @@ def _serving(doc: Path, quick: bool) -> int:
 
 
 RUNNERS: dict[str, Callable[[Path, bool], int]] = {
+    "core": _core,
     "control": _control,
     "idle": _idle,
     "transfer": _transfer,
