@@ -29,6 +29,7 @@ import numpy as np
 
 import kvpush
 from kvpush.bench import report
+from kvpush.bench.serving_cpu import TICKS_PER_S, read_stat
 from kvpush.bench.worker import CacheGeometry, nixl_module
 
 SECTION = "Idle cost: the transfer machinery alone"
@@ -52,23 +53,17 @@ class IdleSample:
     threads: dict[str, float] = field(default_factory=dict)
 
 
-def _thread_ticks() -> dict[str, tuple[str, int]]:
+def _thread_ticks() -> dict[int, tuple[str, int]]:
     """Thread id -> (name, utime + stime in clock ticks) for this process."""
-    ticks: dict[str, tuple[str, int]] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as comm:
-                name = comm.read().strip()
-            with open(f"/proc/self/task/{tid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the thread ended between listing and reading
-        ticks[tid] = (name, int(fields[11]) + int(fields[12]))
+    ticks: dict[int, tuple[str, int]] = {}
+    for task in Path("/proc/self/task").iterdir():
+        stat = read_stat(task / "stat")  # None: the thread ended between listing and reading
+        if stat is not None:
+            ticks[stat.pid] = (stat.comm, stat.ticks)
     return ticks
 
 
 def _measure(seconds: float, variant: str) -> IdleSample:
-    hz = os.sysconf("SC_CLK_TCK")
     before = _thread_ticks()
     started = time.monotonic()
     time.sleep(seconds)
@@ -77,7 +72,7 @@ def _measure(seconds: float, variant: str) -> IdleSample:
     per_name: dict[str, float] = {}
     for tid, (name, ticks) in after.items():
         used = ticks - before.get(tid, (name, 0))[1]
-        per_name[name] = per_name.get(name, 0.0) + 100.0 * used / hz / wall
+        per_name[name] = per_name.get(name, 0.0) + 100.0 * used / TICKS_PER_S / wall
     total = sum(per_name.values())
     busiest = dict(sorted(((n, p) for n, p in per_name.items() if p > 0), key=lambda x: -x[1]))
     return IdleSample(variant, wall, total, busiest)

@@ -41,7 +41,7 @@ def parse_stat(text: str) -> ProcStat:
     return ProcStat(int(pid_text), comm, int(fields[2]), int(fields[11]) + int(fields[12]))
 
 
-def _read_stat(path: Path) -> ProcStat | None:
+def read_stat(path: Path) -> ProcStat | None:
     try:
         return parse_stat(path.read_text())
     except (OSError, ValueError, IndexError):
@@ -76,13 +76,13 @@ def snapshot(groups: Iterable[int]) -> Snapshot:
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
-        stat = _read_stat(entry / "stat")
+        stat = read_stat(entry / "stat")
         if stat is None or stat.pgrp not in wanted:
             continue
         processes[stat.pid] = (stat.pgrp, stat.comm, stat.ticks)
         with contextlib.suppress(OSError):
             for task in (entry / "task").iterdir():
-                thread = _read_stat(task / "stat")
+                thread = read_stat(task / "stat")
                 if thread is not None:
                     threads[(stat.pid, thread.pid)] = (
                         stat.pgrp,
