@@ -38,27 +38,6 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
-def _bench_transfer(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from kvpush.bench import transfer
-
-    config = transfer.BenchConfig(
-        gib=args.gib, block_kib=args.block_kib, repeats=args.repeats, ucx_tls=args.ucx_tls
-    )
-    try:
-        result = transfer.run(config, progress=lambda line: print(line, flush=True))
-    except transfer.BenchError as error:
-        print(f"kvpush bench transfer: {error}", file=sys.stderr)
-        return 1
-    print()
-    print(transfer.report(result))
-    if args.markdown:
-        transfer.update_markdown(Path(args.markdown), result, args.markdown)
-        print(f"\nwrote the Data path section of {args.markdown}")
-    return 0
-
-
 def _proxy(args: argparse.Namespace) -> int:
     from kvpush import proxy
 
@@ -146,39 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_arguments(bench)
     bench.set_defaults(run=suite.main)
     benches = bench.add_subparsers(dest="bench", required=False, metavar="BENCH")
-    transfer = benches.add_parser(
-        "transfer",
-        help="kvpush's data path against a plain NIXL WRITE driven from Python",
-        description=(
-            "Moves one request's whole KV cache from P to D (two processes, NIXL over UCX on "
-            "loopback) with kvpush's native writer and with plain NIXL WRITEs driven from "
-            "Python, for contiguous and fragmented block orders, in the same run; prints "
-            "throughput, per-request control time and their ratios."
-        ),
-    )
-    transfer.add_argument(
-        "--gib", type=float, default=1.0, help="KV bytes per request, in GiB (default 1.0)"
-    )
-    transfer.add_argument(
-        "--block-kib", type=int, default=16, help="bytes per block and region, in KiB (default 16)"
-    )
-    transfer.add_argument(
-        "--repeats", type=int, default=3, help="measured repeats per path (default 3)"
-    )
-    transfer.add_argument(
-        "--ucx-tls",
-        choices=["default", "tcp"],
-        default="default",
-        help="UCX transports: UCX's default (cma on one host) or UCX_TLS=tcp (default: default)",
-    )
-    transfer.add_argument(
-        "--markdown", metavar="PATH", help="also write the results into PATH's Data path section"
-    )
-    transfer.set_defaults(run=_bench_transfer)
-
-    from kvpush.bench import control, core, idle, serving
+    from kvpush.bench import control, core, idle, serving, transfer
 
     for name, module, summary in (
+        ("transfer", transfer, "kvpush's data path against a plain NIXL WRITE driven from Python"),
         ("core", core, "the Rust core's criterion benches: planner, table vs Mutex<HashMap>"),
         ("idle", idle, "CPU an idle, warm P+D pair burns: kvpush endpoints vs NIXL agents"),
         ("control", control, "P's per-request control path and matching: kvpush vs vLLM's code"),

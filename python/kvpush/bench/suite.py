@@ -48,22 +48,12 @@ def _idle(doc: Path, quick: bool) -> int:
 def _transfer(doc: Path, quick: bool) -> int:
     from kvpush.bench import transfer
 
-    code = 0
-    tls: transfer.UcxTls
-    for tls in ("default", "tcp"):
-        config = transfer.BenchConfig(
-            gib=0.05 if quick else 1.0, block_kib=16, repeats=1 if quick else 3, ucx_tls=tls
-        )
-        try:
-            result = transfer.run(config, progress=lambda line: print(line, flush=True))
-        except transfer.BenchError as error:
-            print(f"kvpush bench transfer ({tls}): {error}")
-            code = 1
-            continue
-        print()
-        print(transfer.report(result))
-        transfer.update_markdown(doc, result, str(doc))
-    return code
+    sizes = {"gib": 0.05, "repeats": 1} if quick else {"gib": 1.0, "repeats": 3}
+    codes = [
+        transfer.main(argparse.Namespace(block_kib=16, ucx_tls=tls, markdown=str(doc), **sizes))
+        for tls in transfer.UCX_TRANSPORTS
+    ]
+    return max(codes)
 
 
 def _serving(doc: Path, quick: bool) -> int:

@@ -22,6 +22,7 @@ warm-up round is discarded; tables give best / median over the repeats, then the
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import multiprocessing as mp
@@ -29,6 +30,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -630,3 +632,43 @@ def _strip_blank(lines: list[str]) -> list[str]:
     while end > start and not lines[end - 1].strip():
         end -= 1
     return lines[start:end]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvpush bench transfer``'s options."""
+    parser.add_argument(
+        "--gib", type=float, default=1.0, help="KV bytes per request, in GiB (default 1.0)"
+    )
+    parser.add_argument(
+        "--block-kib", type=int, default=16, help="bytes per block and region, in KiB (default 16)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="measured repeats per path (default 3)"
+    )
+    parser.add_argument(
+        "--ucx-tls",
+        choices=list(UCX_TRANSPORTS),
+        default="default",
+        help="UCX transports: UCX's default (cma on one host) or UCX_TLS=tcp (default: default)",
+    )
+    parser.add_argument(
+        "--markdown", metavar="PATH", help="also write the results into PATH's Data path section"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs one transfer benchmark, prints its report and, with ``--markdown``, writes it."""
+    config = BenchConfig(
+        gib=args.gib, block_kib=args.block_kib, repeats=args.repeats, ucx_tls=args.ucx_tls
+    )
+    try:
+        result = run(config, progress=lambda line: print(line, flush=True))
+    except BenchError as error:
+        print(f"kvpush bench transfer: {error}", file=sys.stderr)
+        return 1
+    print()
+    print(report(result))
+    if args.markdown:
+        update_markdown(Path(args.markdown), result, args.markdown)
+        print(f"\nwrote the Data path section of {args.markdown}")
+    return 0
