@@ -131,7 +131,7 @@ def bar_chart(
         offsets = [c + (index - (len(series) - 1) / 2) * width for c in range(len(categories))]
         ax.bar(offsets, values, width, label=name)
     ax.set_xticks(range(len(categories)), categories, rotation=20 if len(categories) > 6 else 0)
-    _finish(ax, fig, path, title, ylabel, log)
+    _finish(plt, fig, ax, path, title, ylabel, log)
 
 
 def line_chart(
@@ -151,10 +151,10 @@ def line_chart(
     ax.set_xlabel(xlabel)
     if log:
         ax.set_xscale("log")
-    _finish(ax, fig, path, title, ylabel, log)
+    _finish(plt, fig, ax, path, title, ylabel, log)
 
 
-def _finish(ax, fig, path: Path, title: str, ylabel: str, log: bool) -> None:  # type: ignore[no-untyped-def]
+def _finish(plt: Any, fig: Any, ax: Any, path: Path, title: str, ylabel: str, log: bool) -> None:
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     if log:
@@ -164,5 +164,4 @@ def _finish(ax, fig, path: Path, title: str, ylabel: str, log: bool) -> None:  #
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt = _pyplot()
     plt.close(fig)
