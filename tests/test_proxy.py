@@ -1,9 +1,12 @@
 """``kvpush proxy`` against fake P and D servers (no vLLM): the legs each side receives, how
-D's answer reaches the client, and what the client gets when a leg fails.
+D's answer reaches the client, what the client gets when a leg fails, that a failing leg or a
+client hanging up closes the other legs, and the bounds on bodies and connections.
 
 The fakes are small ThreadingHTTPServers that record every request. Concurrency and
 streaming are proven with events, not clocks: the fake P answers only once the fake D holds
-its leg, and the fake D sends its last chunk only once the client has read the first.
+its leg, and the fake D sends its last chunk only once the client has read the first. A leg
+the proxy should abort is held open by its fake until the proxy closes it (or a bounded wait
+runs out, and the fake answers after all).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import select
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +27,8 @@ from typing import Any
 import pytest
 
 from kvpush import cli
-from kvpush.proxy import PrefillInstance, ProxyServer, Timeouts, parse_prefill
+from kvpush import proxy as proxy_module
+from kvpush.proxy import MAX_BODY_BYTES, PrefillInstance, ProxyServer, Timeouts, parse_prefill
 
 JSON = dict[str, Any]
 WAIT_S = 2.0
@@ -164,10 +169,13 @@ def prefill_at(fake: Fake, n: int = 0, *, tp: int = 1, pp: int = 1) -> PrefillIn
 
 @contextlib.contextmanager
 def proxy(
-    prefill: list[PrefillInstance], decode: list[str], timeouts: Timeouts | None = None
+    prefill: list[PrefillInstance],
+    decode: list[str],
+    timeouts: Timeouts | None = None,
+    **options: Any,
 ) -> Iterator[ProxyServer]:
     server = ProxyServer(
-        prefill=prefill, decode=decode, host="127.0.0.1", port=0, timeouts=timeouts
+        prefill=prefill, decode=decode, host="127.0.0.1", port=0, timeouts=timeouts, **options
     )
     server.start()
     try:
@@ -194,6 +202,16 @@ def call(server: ProxyServer, method: str, path: str, body: JSON | None = None) 
         connection.close()
 
 
+def call_on(
+    connection: http.client.HTTPConnection, method: str, path: str, body: JSON | None = None
+) -> tuple[int, Any]:
+    """One more request on an open (keep-alive) connection."""
+    data = None if body is None else json.dumps(body).encode()
+    connection.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
 def read_event(response: http.client.HTTPResponse) -> bytes:
     """One SSE event (up to its blank line), as soon as the proxy relays it."""
     data = b""
@@ -218,6 +236,60 @@ def streaming_decode(client_saw_first: threading.Event, log: list[str]) -> Respo
         handler.end_stream()
 
     return respond
+
+
+def holds_until_closed(closed: threading.Event, *, stream: bool = False) -> Respond:
+    """A leg that stays open, as a P prefilling or a D waiting for P's KV does, and sets
+    ``closed`` when the proxy closes it; one never closed answers after ``WAIT_S``."""
+
+    def respond(handler: FakeHandler, _received: Received) -> None:
+        if stream:
+            handler.start_stream()
+        if handler.peer_closed(WAIT_S):
+            closed.set()
+        elif stream:
+            handler.send_chunk(SSE[0])
+            handler.end_stream()
+        else:
+            handler.send_json(200, {"choices": [{"text": "answered after all"}]})
+
+    return respond
+
+
+def raw_request(server: ProxyServer, data: bytes) -> tuple[http.client.HTTPResponse, socket.socket]:
+    """Send ``data`` as it is and read the answer's head, keeping the connection open (so a
+    proxy reading the body to EOF would never answer)."""
+    sock = socket.create_connection(server.address, timeout=5.0)
+    sock.sendall(data)
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return response, sock
+
+
+def post(headers: str, body: bytes = b"") -> bytes:
+    """A completion POST with these extra header lines (each ending in CRLF), then ``body``."""
+    head = "POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+    return (head + headers + "\r\n").encode() + body
+
+
+def closed_by_proxy(sock: socket.socket) -> bool:
+    """Whether the proxy closes ``sock`` after its answer, rather than waiting for more."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def eventually(check: Callable[[], bool]) -> bool:
+    """``check()``, retried for up to ``WAIT_S`` (for what the proxy does once a client closes)."""
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        threading.Event().wait(0.02)
+    return True
 
 
 # --- the legs ----------------------------------------------------------------------------------
@@ -457,19 +529,25 @@ def test_unreachable_prefill_is_a_502_naming_the_prefill_leg(
 
 
 def test_unreachable_decode_is_a_502_naming_decode(fakes: Callable[[Respond], Fake]) -> None:
-    p = fakes(answer(200, {"choices": []}))
+    prefill_closed = threading.Event()
+    p = fakes(holds_until_closed(prefill_closed))
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         d_url = f"http://127.0.0.1:{unused.getsockname()[1]}"
         with proxy([prefill_at(p)], [d_url]) as server:
-            status, payload = call(server, "POST", "/v1/completions", {"prompt": "x"})
-            assert p.arrived.wait(WAIT_S), "P's leg was not sent"
+            response, connection = request(server, "POST", "/v1/completions", {"prompt": "x"})
+            status, payload = response.status, json.loads(response.read())
+            # The proxy reads this connection's next request only once P's leg has ended.
+            assert call_on(connection, "GET", "/health")[0] == 200
+            connection.close()
 
     assert status == 502
     error = payload["error"]
     assert (error["type"], error["leg"]) == ("kvpush_proxy_error", "decode")
     assert "decode leg failed: ConnectionRefusedError" in error["message"]
     assert d_url in error["message"]
+    # P's leg was aborted: never sent, or closed before P answered.
+    assert p.received == [] or prefill_closed.wait(WAIT_S), "P's leg outlived D's failure"
 
 
 def test_decode_error_is_passed_back_as_decode_sent_it(fakes: Callable[[Respond], Fake]) -> None:
@@ -522,6 +600,209 @@ def test_a_malformed_body_is_a_400_and_sends_no_leg(fakes: Callable[[Respond], F
     assert p.received == d.received == []
 
 
+# --- a leg that fails, or a client that hangs up, closes the other legs -------------------------
+
+
+def _decode_refuses(handler: FakeHandler, received: Received) -> None:
+    answer(500, {"error": {"message": "decode exploded", "type": "InternalServerError"}})(
+        handler, received
+    )
+
+
+def _decode_hangs_up(handler: FakeHandler, _received: Received) -> None:
+    handler.close_connection = True  # no answer at all: the proxy sees D go away
+
+
+@pytest.mark.parametrize(
+    ("decode_fails", "client_status", "in_message"),
+    [
+        (_decode_refuses, 500, "decode exploded"),
+        (_decode_hangs_up, 502, "decode leg failed: RemoteDisconnected"),
+    ],
+    ids=["error-status", "hangs-up"],
+)
+def test_decode_failure_aborts_the_prefill_leg(
+    fakes: Callable[[Respond], Fake], decode_fails: Respond, client_status: int, in_message: str
+) -> None:
+    prefill_closed = threading.Event()
+    p = fakes(holds_until_closed(prefill_closed))
+
+    def fails_once_prefill_has_its_leg(handler: FakeHandler, received: Received) -> None:
+        p.arrived.wait(WAIT_S)
+        decode_fails(handler, received)
+
+    d = fakes(fails_once_prefill_has_its_leg)
+    with proxy([prefill_at(p)], [d.url]) as server:
+        status, payload = call(server, "POST", "/v1/completions", {"prompt": "x"})
+
+    assert status == client_status
+    assert in_message in payload["error"]["message"]
+    assert p.only().request_id == d.only().request_id
+    assert prefill_closed.wait(WAIT_S), "P kept its leg (and would hold the KV) after D failed"
+
+
+def test_prefill_failure_after_decode_sent_its_head_aborts_decode(
+    fakes: Callable[[Respond], Fake],
+) -> None:
+    # A streaming D sends its response head at once, then waits for P's KV: its answer has not
+    # begun, so P's failure still decides, and D must not wait for KV that will never come.
+    decode_closed = threading.Event()
+    d = fakes(holds_until_closed(decode_closed, stream=True))
+
+    def fails_once_decode_sent_its_head(handler: FakeHandler, received: Received) -> None:
+        d.arrived.wait(WAIT_S)
+        answer(500, {"error": {"message": "prefill exploded"}})(handler, received)
+
+    p = fakes(fails_once_decode_sent_its_head)
+    with proxy([prefill_at(p)], [d.url]) as server:
+        status, payload = call(server, "POST", "/v1/completions", {"prompt": "x", "stream": True})
+
+    assert status == 502
+    assert payload["error"]["leg"] == "prefill"
+    assert "prefill exploded" in payload["error"]["message"]
+    assert decode_closed.wait(WAIT_S), "the proxy left D's leg open after P failed"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_client_hanging_up_while_the_legs_run_aborts_both(
+    fakes: Callable[[Respond], Fake], stream: bool
+) -> None:
+    prefill_closed, decode_closed = threading.Event(), threading.Event()
+    p = fakes(holds_until_closed(prefill_closed))
+    d = fakes(holds_until_closed(decode_closed, stream=stream))
+    body = json.dumps({"prompt": "x", "stream": stream}).encode()
+    with proxy([prefill_at(p)], [d.url]) as server:
+        client = socket.create_connection(server.address, timeout=5.0)
+        client.sendall(post(f"Content-Length: {len(body)}\r\n", body))
+        assert p.arrived.wait(WAIT_S)
+        assert d.arrived.wait(WAIT_S)
+        # Nothing has been written to the client yet (D has produced no token): only watching
+        # the client socket can tell that it went away.
+        client.close()
+        assert decode_closed.wait(WAIT_S), "D kept decoding for a client that hung up"
+        assert prefill_closed.wait(WAIT_S), "P kept its leg for a client that hung up"
+
+
+# --- bounds on bodies and connections ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "reason"),
+    [
+        ("Transfer-Encoding: chunked\r\n", b"-1\r\n{}\r\n", 400, "invalid chunk size b'-1'"),
+        ("Transfer-Encoding: chunked\r\n", b"+2\r\n{}\r\n", 400, "invalid chunk size b'+2'"),
+        ("Transfer-Encoding: chunked\r\n", b"0x2\r\n{}\r\n", 400, "invalid chunk size b'0x2'"),
+        ("Transfer-Encoding: chunked\r\n", b"1_0\r\n{}\r\n", 400, "invalid chunk size b'1_0'"),
+        ("Transfer-Encoding: chunked\r\n", b"zz\r\n{}\r\n", 400, "invalid chunk size b'zz'"),
+        ("Transfer-Encoding: chunked\r\n", b"\r\n{}\r\n", 400, "invalid chunk size b''"),
+        ("Transfer-Encoding: chunked\r\n", b"2;" + b"x" * 2000, 400, "over 1024 bytes"),
+        ("Transfer-Encoding: chunked\r\n", b"2\r\n{}}\r\n0\r\n\r\n", 400, "longer than its"),
+        ("Transfer-Encoding: chunked\r\n", b"%x\r\n" % (MAX_BODY_BYTES + 1), 413, "limit"),
+        ("Transfer-Encoding: gzip\r\n", b"{}", 400, "does not end with chunked"),
+        ("Transfer-Encoding: gzip, chunked\r\n", b"2\r\n{}\r\n0\r\n\r\n", 501, "only chunked"),
+        ("Content-Length: 2\r\nTransfer-Encoding: chunked\r\n", b"{}", 400, "both"),
+        (f"Content-Length: {MAX_BODY_BYTES + 1}\r\n", b"{}", 413, "over the limit"),
+        ("Content-Length: -1\r\n", b"{}", 400, "not a byte count"),
+        ("Content-Length: +2\r\n", b"{}", 400, "not a byte count"),
+        ("Content-Length: 1_0\r\n", b"{}", 400, "not a byte count"),
+        ("Content-Length: 2\r\nContent-Length: 3\r\n", b"{}", 400, "conflicting"),
+        ("", b"{}", 411, "no Content-Length and not chunked"),
+    ],
+)
+def test_a_body_the_proxy_cannot_bound_is_refused_without_reading_it(
+    fakes: Callable[[Respond], Fake], headers: str, body: bytes, status: int, reason: str
+) -> None:
+    # The client keeps its connection open: a proxy that read such a body to EOF (as a chunk
+    # size of -1 once made it) would never answer.
+    p, d = fakes(answer(200, {})), fakes(answer(200, {}))
+    with proxy([prefill_at(p)], [d.url]) as server:
+        response, sock = raw_request(server, post(headers, body))
+        with sock:
+            payload = json.loads(response.read())
+            assert response.status == status, payload
+            assert reason in payload["error"]["message"]
+            assert payload["error"]["message"].startswith("request body: ")
+            # What is left of the body must not be read as the next request.
+            assert response.getheader("Connection") == "close"
+            assert closed_by_proxy(sock)
+    assert p.received == d.received == []
+
+
+def test_a_chunked_body_over_the_limit_in_total_is_a_413(
+    fakes: Callable[[Respond], Fake], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(proxy_module, "MAX_BODY_BYTES", 100)
+    p, d = fakes(answer(200, {})), fakes(answer(200, {}))
+    chunk = b" " * 40
+    with proxy([prefill_at(p)], [d.url]) as server:
+        # Each chunk is under the limit; the third takes the total over it.
+        chunks = b"".join(b"28\r\n%s\r\n" % chunk for _ in range(3))
+        response, sock = raw_request(server, post("Transfer-Encoding: chunked\r\n", chunks))
+        with sock:
+            payload = json.loads(response.read())
+            assert response.status == 413
+            assert "over the limit of 100 bytes" in payload["error"]["message"]
+            assert closed_by_proxy(sock)
+    assert p.received == d.received == []
+
+
+def test_a_chunked_body_within_the_limit_reaches_both_legs(
+    fakes: Callable[[Respond], Fake],
+) -> None:
+    decoded = {"choices": [{"text": " world"}]}
+    p, d = fakes(answer(200, {"choices": []})), fakes(answer(200, decoded))
+    body = json.dumps({"prompt": "hello", "max_tokens": 4}).encode()
+    chunked = b"%x;name=value\r\n%s\r\n%X\r\n%s\r\n0\r\nX-Trailer: t\r\n\r\n" % (
+        5,
+        body[:5],
+        len(body) - 5,
+        body[5:],
+    )
+    with proxy([prefill_at(p)], [d.url]) as server:
+        response, sock = raw_request(server, post("Transfer-Encoding: chunked\r\n", chunked))
+        with sock:
+            assert (response.status, json.loads(response.read())) == (200, decoded)
+    assert p.only().body["prompt"] == d.only().body["prompt"] == "hello"
+    assert d.only().body["max_tokens"] == 4
+
+
+def test_connections_over_the_cap_get_a_prompt_503_and_no_thread(
+    fakes: Callable[[Respond], Fake],
+) -> None:
+    p, d = fakes(answer(200, {})), fakes(answer(200, {}))
+    with proxy([prefill_at(p)], [d.url], max_connections=2) as server:
+        host, port = server.address
+        held = [http.client.HTTPConnection(host, port, timeout=5.0) for _ in range(2)]
+        for connection in held:
+            # Served, and kept open: each now holds a slot while it idles.
+            assert call_on(connection, "GET", "/health")[0] == 200
+        turned_away = []
+        for _ in range(5):
+            response, sock = raw_request(server, b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n")
+            with sock:
+                payload = json.loads(response.read())
+                turned_away.append((response.status, response.getheader("Retry-After")))
+                assert "--max-connections" in payload["error"]["message"]
+                assert closed_by_proxy(sock)
+        connection_threads = [
+            t for t in threading.enumerate() if t.name.startswith(f"kvpush-proxy-{port}-conn-")
+        ]
+        assert turned_away == [(503, "1")] * 5
+        assert len(connection_threads) == 2
+
+        # A slot frees once the proxy sees a held connection close: new clients are served.
+        held[0].close()
+
+        def served() -> bool:
+            response, sock = raw_request(server, b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n")
+            with sock:
+                response.read()
+                return response.status == 200
+
+        assert eventually(served), "the cap stayed full after a connection closed"
+        held[1].close()
+
+
 # --- configuration -----------------------------------------------------------------------------
 
 
@@ -569,3 +850,20 @@ def test_cli_proxy_subcommand_parses_instances() -> None:
     assert args.decode == ["http://d0:8200"]
     assert args.decode_timeout == 30.0
     assert callable(args.run)
+
+
+def test_cli_max_connections() -> None:
+    base = ["proxy", "--prefill", "http://p:8100,engine_id=P,side_channel=p:5600"]
+    base += ["--decode", "http://d:8200"]
+    parser = cli.build_parser()
+    assert parser.parse_args(base).max_connections == 1024
+    assert parser.parse_args([*base, "--max-connections", "64"]).max_connections == 64
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--max-connections", "0"])
+    with pytest.raises(ValueError, match="max_connections=0"):
+        ProxyServer(
+            [PrefillInstance("http://p:1", "P", "p", 5600)],
+            ["http://d:1"],
+            port=0,
+            max_connections=0,
+        )

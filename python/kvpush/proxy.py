@@ -11,24 +11,38 @@ reads: every request goes out as two legs *at once*, with one ``X-Request-Id`` a
   ``kv_transfer_params`` naming P's coordinates (engine id, side channel host and port, TP,
   PP), the request id and ``T``; its answer goes to the client as it comes.
 
-When P's leg fails before D has started answering, the client gets a 502 naming the prefill leg
-and D's connection is closed (so vLLM aborts D's request); when D answers first it wins and P's
-failure is only logged. A D that cannot be reached is a 502 naming D; a D error is passed back
-as D sent it. A client that hangs up mid-stream makes the proxy close D's connection.
+A leg that fails aborts the other at once: its upstream connection is closed, which vLLM takes
+for the client going away and aborts the request, so neither side works, or holds KV for its
+lease, for a request that is already lost. P failing before D's answer has begun is a 502
+naming the prefill leg. D's answer begins with its first body byte (a D waiting for P's KV
+cannot send one before the KV is there); from then on D wins and P's failure is only logged.
+A D that cannot be reached is a 502 naming D; a D error is passed back as D sent it (P is
+aborted either way). A client that hangs up while the legs run aborts both: one watcher thread
+polls the clients of the requests in flight, so a non-streaming client's hang-up is noticed
+before D has decoded the whole answer, not when the proxy next writes.
+
+Everything a client can make the proxy hold is bounded: a request body is read only as its
+framing says and never past :data:`MAX_BODY_BYTES` (413 when larger, 400 when malformed, 411
+without a length); at most ``max_connections`` clients are served at once (one over the cap
+gets a prompt 503 with ``Retry-After`` and no thread); every socket has a bounded timeout
+(:class:`Timeouts`).
 
 P and D instances are chosen round-robin, independently. Standard library only (kvpush has no
-runtime dependencies): :class:`http.server.ThreadingHTTPServer` for clients, one
-:class:`http.client.HTTPConnection` per leg, a thread for P's leg; every socket has a bounded
-timeout (:class:`Timeouts`).
+runtime dependencies): :class:`http.server.ThreadingHTTPServer` for clients (a named thread per
+connection, up to the cap), one :class:`http.client.HTTPConnection` per leg, a thread for P's
+leg.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import enum
 import http.client
 import json
 import logging
+import select
 import signal
 import socket
 import sys
@@ -43,6 +57,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Generic, TypeVar, cast
 
 __all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_CONNECTIONS",
     "PrefillInstance",
     "ProxyServer",
     "Timeouts",
@@ -61,7 +77,19 @@ _T = TypeVar("_T")
 
 ERROR_TYPE = "kvpush_proxy_error"
 MAX_BODY_BYTES = 64 << 20
+"""The largest request body accepted, whatever its framing (Content-Length or chunked)."""
+MAX_CONNECTIONS = 1024
+"""Default cap on concurrent client connections (each holds a thread, and one more for P)."""
 _RELAY_BYTES = 64 << 10
+# A chunked body's size lines, extensions and trailers: each line, and all of them together.
+_MAX_CHUNK_LINE_BYTES = 1024
+_MAX_CHUNK_FRAMING_BYTES = 1 << 20
+_HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
+# A client turned away at the cap is told when to come back, and its connection is closed only
+# once it has read the 503 (or after this long), so that closing does not reset the answer away.
+_RETRY_AFTER_S = 1
+_TURNED_AWAY_LINGER_S = 2.0
+_MAX_TURNED_AWAY_LINGERING = 64
 # Per-connection headers (RFC 9110 §7.6.1) and those BaseHTTPRequestHandler writes itself.
 _NOT_RELAYED = frozenset(
     {
@@ -224,7 +252,8 @@ def decode_body(body: JSON, prefill: PrefillInstance, request_id: str, transfer_
 
 
 class _LegAbortedError(OSError):
-    """The leg was aborted (by the other leg's failure, or the proxy stopping)."""
+    """The leg was aborted (by the other leg's failure, the client hanging up, or the proxy
+    stopping)."""
 
 
 class _Leg:
@@ -293,11 +322,23 @@ def _error_detail(payload: bytes) -> str:
 # --- one request -----------------------------------------------------------------------------
 
 
-class _Exchange:
-    """One client request's two legs, and the single decision of which one answers first.
+class _Cause(enum.Enum):
+    """What ended a request before D's answer was complete; the first one to happen decides."""
 
-    Whichever of "D's response head arrived" and "P's leg failed" takes the lock first decides
-    what the client gets; the log line is written when both legs have finished.
+    PREFILL = "prefill leg failed"
+    DECODE = "decode leg failed"
+    CLIENT = "client hung up"
+    STOPPING = "proxy stopping"
+
+
+class _Exchange:
+    """One client request's two legs, and the single decision of what ends it.
+
+    The first of these, under one lock, decides what the client gets: D's answer begins (its
+    first body byte), P's leg fails, D's leg fails, the client hangs up, the proxy stops. A
+    failure that comes first aborts the legs still running, so that no leg goes on for a
+    request that is lost; P's failure after D's answer began is only logged. The log line is
+    written when both legs have finished.
     """
 
     def __init__(
@@ -313,6 +354,7 @@ class _Exchange:
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._decode_answered = False
+        self._first_failure: _Cause | None = None
         self._legs_open = 2
         self.prefill_error: str | None = None
         self.prefill_status: int | None = None
@@ -323,34 +365,55 @@ class _Exchange:
         self.client_status: int | None = None
         self.client_note = ""
 
-    def abort(self) -> None:
-        self.prefill_leg.abort()
-        self.decode_leg.abort()
-
     def prefill_finished(self, status: int | None, error: str | None) -> None:
         with self._lock:
             self.prefill_status, self.prefill_error = status, error
             self.prefill_s = time.monotonic() - self.started
-            fail_decode = error is not None and not self._decode_answered
-        if fail_decode:
+            fails_first = (
+                error is not None and not self._decode_answered and self._first_failure is None
+            )
+            if fails_first:
+                self._first_failure = _Cause.PREFILL
+        if fails_first:
             self.decode_leg.abort()
         self._leg_done()
 
-    def decode_answered(self, status: int) -> bool:
-        """D's response head arrived: True if D answers the client, False if P failed first."""
+    def decode_head(self, status: int) -> None:
         with self._lock:
             self.decode_status = status
             self.decode_first_s = time.monotonic() - self.started
-            if self.prefill_error is not None:
-                return False
-            self._decode_answered = True
-            return True
 
-    def prefill_failed_first(self) -> str | None:
+    def decode_answered(self) -> _Cause | None:
+        """D's answer began: None if D answers the client, else the failure that came first."""
         with self._lock:
-            return None if self._decode_answered else self.prefill_error
+            if self._first_failure is None:
+                self._decode_answered = True
+            return self._first_failure
 
-    def decode_finished(self, client_status: int, note: str = "") -> None:
+    def fail(self, cause: _Cause) -> _Cause:
+        """``cause`` ends the request unless an earlier failure did; returns the one that did.
+
+        The first failure aborts P's leg (D failing means nobody takes P's KV), and D's leg
+        unless D's own failure is the cause (its error answer is still to be relayed).
+        """
+        with self._lock:
+            first = self._first_failure is None
+            if first:
+                self._first_failure = cause
+            decided = cast(_Cause, self._first_failure)
+        if first:
+            self.prefill_leg.abort()
+            if cause is not _Cause.DECODE:
+                self.decode_leg.abort()
+        return decided
+
+    def client_hung_up(self) -> None:
+        self.fail(_Cause.CLIENT)
+
+    def abort(self) -> None:
+        self.fail(_Cause.STOPPING)
+
+    def decode_finished(self, client_status: int | None, note: str = "") -> None:
         self.client_status, self.client_note = client_status, note
         self._leg_done()
 
@@ -370,7 +433,12 @@ class _Exchange:
         d = f"decode {self.decode_leg.upstream.url} {self.decode_status or '-'} first byte {first}"
         if self.decode_error:
             d += f" FAILED {self.decode_error}"
-        failed = self.prefill_error or self.decode_error or (self.client_status or 0) >= 400
+        failed = (
+            self._first_failure is not None
+            or self.prefill_error
+            or self.decode_error
+            or (self.client_status or 0) >= 400
+        )
         logger.log(
             logging.WARNING if failed else logging.INFO,
             "request %s transfer %s %s %s -> %s%s | %s | %s | %.3f s",
@@ -378,7 +446,7 @@ class _Exchange:
             self.transfer_id,
             self.method,
             self.path,
-            self.client_status,
+            self.client_status or "-",
             f" ({self.client_note})" if self.client_note else "",
             p,
             d,
@@ -423,6 +491,95 @@ class _RoundRobin(Generic[_T]):
             return item
 
 
+class _HangupWatch:
+    """One named thread that notices clients hanging up while their requests' legs run.
+
+    Without it a hang-up shows only when the proxy next writes to the client: for a
+    non-streaming request, once D has decoded the whole answer, and all that while D decodes
+    and P holds the KV for nobody. The thread polls the client sockets of the requests in
+    flight; one that turns readable and reads EOF (or a reset) has hung up, and its exchange is
+    aborted. It only ever peeks, so the handler's next read is untouched. A client that sends
+    more while it waits (pipelining) is no longer watched; its hang-up shows at the next write.
+    A client that half-closes (shuts down its sending side) counts as hanging up, as it does
+    for nginx.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watched: dict[_Exchange, socket.socket] = {}
+        self._closed = False
+        # Wakes the poll when a client is added or the watch closes.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._thread = threading.Thread(target=self._run, name="kvpush-proxy-hangups", daemon=True)
+        self._thread.start()
+
+    def watch(self, exchange: _Exchange, client: socket.socket) -> None:
+        with self._lock:
+            self._watched[exchange] = client
+        self._wake()
+
+    def unwatch(self, exchange: _Exchange) -> None:
+        """Stop watching; the caller closes ``client`` only after this returns."""
+        with self._lock:
+            self._watched.pop(exchange, None)
+
+    def close(self, timeout_s: float) -> None:
+        """Idempotent: stop and join the thread (bounded by ``timeout_s``)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake()
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _wake(self) -> None:
+        # BlockingIOError: a wake is pending already.
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                watched = list(self._watched.items())
+            # Rebuilt each round from the watched set: an fd that was unwatched (and perhaps
+            # reused since) is at most seen once, and ignored by _check.
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            clients: dict[int, tuple[_Exchange, socket.socket]] = {}
+            for exchange, client in watched:
+                fd = client.fileno()
+                if fd >= 0:
+                    poller.register(fd, select.POLLIN)
+                    clients[fd] = (exchange, client)
+            for fd, _events in poller.poll():
+                if fd in clients:
+                    self._check(*clients[fd])
+                else:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+
+    def _check(self, exchange: _Exchange, client: socket.socket) -> None:
+        with self._lock:
+            # Still watched means still open: handlers unwatch before their socket closes.
+            if self._watched.get(exchange) is not client:
+                return
+            try:
+                # Readable, and nothing else reads it meanwhile: this returns at once.
+                hung_up = client.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                hung_up = True
+            del self._watched[exchange]
+        if hung_up:
+            exchange.client_hung_up()
+
+
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -432,15 +589,22 @@ class _HTTPServer(ThreadingHTTPServer):
         prefill: Sequence[PrefillInstance],
         decode: Sequence[_Upstream],
         timeouts: Timeouts,
+        max_connections: int,
     ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.prefill = _RoundRobin(prefill)
         self.decode = _RoundRobin(decode)
         self.timeouts = timeouts
+        self.max_connections = max_connections
         self._active: set[_Exchange] = set()
         self._active_lock = threading.Lock()
+        self._connections = 0
+        self._connections_served = 0
+        self._at_cap_logged = False
+        self._turned_away: collections.deque[tuple[float, socket.socket]] = collections.deque()
         super().__init__(address, _Handler)
+        self.hangups = _HangupWatch()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hangs up is ordinary; anything else is logged with its traceback."""
@@ -449,6 +613,121 @@ class _HTTPServer(ThreadingHTTPServer):
             logger.debug("client %s hung up: %s", client_address, error)
             return
         super().handle_error(request, client_address)
+
+    # ---- the connection cap ----
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Each connection on its own named thread, at most ``max_connections`` at once.
+
+        Runs on the accepting thread. A connection over the cap is answered 503 from here and
+        gets no thread, so a flood of clients costs sockets for a moment, never threads.
+        """
+        with self._active_lock:
+            admitted = self._connections < self.max_connections
+            if admitted:
+                self._connections += 1
+                self._connections_served += 1
+                serial = self._connections_served
+            first_at_cap = not admitted and not self._at_cap_logged
+            if first_at_cap:
+                self._at_cap_logged = True
+        if not admitted:
+            if first_at_cap:
+                logger.warning(
+                    "kvpush proxy: %d client connections open (--max-connections); "
+                    "turning new ones away with 503 until one closes",
+                    self.max_connections,
+                )
+            self._turn_away(request, client_address)
+            return
+        thread = threading.Thread(
+            target=self.process_request_thread,
+            args=(request, client_address),
+            name=f"kvpush-proxy-{self.server_address[1]}-conn-{serial}",
+            daemon=True,
+        )
+        try:
+            thread.start()
+        except BaseException:
+            self._release_connection()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release_connection()
+
+    def _release_connection(self) -> None:
+        with self._active_lock:
+            self._connections -= 1
+            self._at_cap_logged = False
+
+    def _turn_away(self, request: socket.socket, client_address: Any) -> None:
+        body = json.dumps(
+            {
+                "error": {
+                    "message": (
+                        f"the proxy is serving its limit of {self.max_connections} client "
+                        f"connections; retry after {_RETRY_AFTER_S} s, or raise the proxy's "
+                        "--max-connections"
+                    ),
+                    "type": ERROR_TYPE,
+                }
+            }
+        ).encode()
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\n"
+            "Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n"
+            f"Retry-After: {_RETRY_AFTER_S}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+        logger.debug("client %s turned away: connection cap reached", client_address)
+        # The accepting thread must never block: a fresh socket's send buffer takes the answer
+        # whole, and what does not fit is dropped.
+        request.setblocking(False)
+        with contextlib.suppress(OSError):
+            request.send(head + body)
+            request.shutdown(socket.SHUT_WR)
+        self._turned_away.append((time.monotonic() + _TURNED_AWAY_LINGER_S, request))
+        while len(self._turned_away) > _MAX_TURNED_AWAY_LINGERING:
+            self._turned_away.popleft()[1].close()
+
+    def service_actions(self) -> None:
+        """Between accepts (at least every poll interval): close turned-away connections.
+
+        Each is closed once its client has read the 503 and hung up, or after a short linger;
+        what it sent meanwhile is read and dropped, since closing a socket with unread input
+        resets the connection and can discard the 503 before the client reads it.
+        """
+        now = time.monotonic()
+        for _ in range(len(self._turned_away)):
+            deadline, sock = self._turned_away.popleft()
+            if self._drained_to_eof(sock) or now >= deadline:
+                sock.close()
+            else:
+                self._turned_away.append((deadline, sock))
+
+    @staticmethod
+    def _drained_to_eof(sock: socket.socket) -> bool:
+        for _ in range(16):
+            try:
+                if not sock.recv(_RELAY_BYTES):
+                    return True
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True
+        return False
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.hangups.close(timeout_s=1.0)
+        while self._turned_away:
+            self._turned_away.popleft()[1].close()
+
+    # ---- requests in flight ----
 
     def track(self, exchange: _Exchange, active: bool) -> None:
         with self._active_lock:
@@ -462,6 +741,14 @@ class _HTTPServer(ThreadingHTTPServer):
             active = list(self._active)
         for exchange in active:
             exchange.abort()
+
+
+class _RefusedBodyError(Exception):
+    """A request body the proxy will not read (or read further): answered ``status``."""
+
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -479,6 +766,11 @@ class _Handler(BaseHTTPRequestHandler):
     # ---- routes ----
 
     def do_GET(self) -> None:
+        # A GET's body is never read, so what follows it must not be taken for a request.
+        if self.headers.get("Content-Length", "0").strip() != "0" or self.headers.get(
+            "Transfer-Encoding"
+        ):
+            self.close_connection = True
         route = urllib.parse.urlsplit(self.path).path
         if route == "/health":
             self._send_json(
@@ -524,63 +816,119 @@ class _Handler(BaseHTTPRequestHandler):
         d_body = json.dumps(
             decode_body(request, prefill, exchange.request_id, exchange.transfer_id)
         ).encode()
+        prefill_thread = threading.Thread(
+            target=_run_prefill,
+            args=(exchange, p_body, headers),
+            name=f"kvpush-proxy-prefill-{exchange.request_id[:8]}",
+            daemon=True,
+        )
         self.server.track(exchange, True)
         try:
-            threading.Thread(
-                target=_run_prefill,
-                args=(exchange, p_body, headers),
-                name=f"kvpush-proxy-prefill-{exchange.request_id[:8]}",
-                daemon=True,
-            ).start()
-            self._decode(exchange, d_body, headers)
+            prefill_thread.start()
+            self.server.hangups.watch(exchange, self.connection)
+            try:
+                self._decode(exchange, d_body, headers)
+            finally:
+                # D's answer is complete or lost: a client hanging up now changes nothing.
+                self.server.hangups.unwatch(exchange)
+                # P's leg has ended or been aborted by now, or ends within its own timeouts;
+                # waiting for it bounds what one connection holds to two threads.
+                prefill_thread.join()
         finally:
             self.server.track(exchange, False)
 
     def _decode(self, exchange: _Exchange, body: bytes, headers: dict[str, str]) -> None:
         leg = exchange.decode_leg
-        rid = exchange.request_id
         try:
             try:
                 response = leg.exchange("POST", exchange.path, body, headers)
             except (OSError, http.client.HTTPException) as error:
-                prefill_error = exchange.prefill_failed_first()
-                if prefill_error is not None:
-                    self._prefill_failed(exchange, prefill_error)
+                self._decode_failed(exchange, error)
+                return
+            exchange.decode_head(response.status)
+            first = b""
+            if response.status >= 400:
+                # D refused or failed the request, so nobody will take P's KV: P is aborted now
+                # rather than left to prefill and hold the KV for its lease.
+                cause = exchange.fail(_Cause.DECODE)
+                if cause is not _Cause.DECODE:
+                    self._lost_to(exchange, cause)
                     return
-                status = (
-                    HTTPStatus.GATEWAY_TIMEOUT
-                    if isinstance(error, TimeoutError)
-                    else HTTPStatus.BAD_GATEWAY
-                )
-                exchange.decode_error = _failure(error, self.server.timeouts.decode_s)
-                self._send_error(
-                    status,
-                    f"request {rid}: decode leg failed: {exchange.decode_error} "
-                    f"from {leg.upstream.url}",
-                    leg="decode",
-                    request_id=rid,
-                )
-                exchange.decode_finished(status)
-                return
-            if not exchange.decode_answered(response.status):
-                self._prefill_failed(exchange, exchange.prefill_error or "")
-                return
-            sent, note = self._relay(response, leg, rid)
-            if note.startswith("decode"):
-                exchange.decode_error = note
-            exchange.decode_finished(sent, note)
+                exchange.decode_error = f"HTTP {response.status} {response.reason}"
+            else:
+                try:
+                    first = response.read1(_RELAY_BYTES)
+                except (OSError, http.client.HTTPException) as error:
+                    self._decode_failed(exchange, error)
+                    return
+                lost = exchange.decode_answered()
+                if lost is not None:
+                    self._lost_to(exchange, lost)
+                    return
+            sent, cut, detail = self._relay(response, leg, exchange.request_id, first)
+            if cut is _Cause.CLIENT:
+                exchange.client_hung_up()
+                exchange.decode_finished(sent, "client hung up; both legs closed")
+            elif cut is _Cause.DECODE:
+                # Either D's body broke off (P is aborted now), or a hang-up or the proxy
+                # stopping aborted D's leg under the relay.
+                cause = exchange.fail(_Cause.DECODE)
+                if cause is _Cause.DECODE:
+                    exchange.decode_error = detail
+                    exchange.decode_finished(sent, "decode body broke off; prefill closed")
+                else:
+                    exchange.decode_finished(sent, f"{cause.value}; both legs closed")
+            else:
+                exchange.decode_finished(sent)
         finally:
             leg.close()
 
-    def _prefill_failed(self, exchange: _Exchange, error: str) -> None:
-        self._send_error(
-            HTTPStatus.BAD_GATEWAY,
-            f"request {exchange.request_id}: prefill leg failed: {error} "
-            f"from {exchange.prefill.url}",
-            leg="prefill",
-            request_id=exchange.request_id,
+    def _decode_failed(self, exchange: _Exchange, error: BaseException) -> None:
+        """D's leg broke before its answer began: a 502 (504 on a timeout) naming D, unless
+        another failure came first and broke it."""
+        cause = exchange.fail(_Cause.DECODE)
+        if cause is not _Cause.DECODE:
+            self._lost_to(exchange, cause)
+            return
+        leg, rid = exchange.decode_leg, exchange.request_id
+        status = (
+            HTTPStatus.GATEWAY_TIMEOUT
+            if isinstance(error, TimeoutError)
+            else HTTPStatus.BAD_GATEWAY
         )
-        exchange.decode_finished(HTTPStatus.BAD_GATEWAY, "prefill failed first; decode closed")
+        exchange.decode_error = _failure(error, self.server.timeouts.decode_s)
+        self._send_error(
+            status,
+            f"request {rid}: decode leg failed: {exchange.decode_error} from {leg.upstream.url}",
+            leg="decode",
+            request_id=rid,
+        )
+        exchange.decode_finished(status)
+
+    def _lost_to(self, exchange: _Exchange, cause: _Cause) -> None:
+        """What the client gets when ``cause`` (not D's own failure) ended the request first."""
+        rid = exchange.request_id
+        if cause is _Cause.PREFILL:
+            self._send_error(
+                HTTPStatus.BAD_GATEWAY,
+                f"request {rid}: prefill leg failed: {exchange.prefill_error} "
+                f"from {exchange.prefill.url}",
+                leg="prefill",
+                request_id=rid,
+            )
+            exchange.decode_finished(HTTPStatus.BAD_GATEWAY, "prefill failed first; decode closed")
+        elif cause is _Cause.STOPPING:
+            self.close_connection = True
+            self._send_error(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"request {rid}: the proxy is stopping; retry once it is back or on another one",
+                leg=None,
+                request_id=rid,
+            )
+            exchange.decode_finished(HTTPStatus.SERVICE_UNAVAILABLE, "proxy stopping")
+        else:
+            self.close_connection = True
+            exchange.decode_finished(None, "client hung up; both legs closed")
 
     def _forward_to_decode(self, method: str, body: bytes | None) -> None:
         timeouts = self.server.timeouts
@@ -614,13 +962,19 @@ class _Handler(BaseHTTPRequestHandler):
     # ---- relaying D's answer ----
 
     def _relay(
-        self, response: http.client.HTTPResponse, leg: _Leg, request_id: str | None
-    ) -> tuple[int, str]:
+        self,
+        response: http.client.HTTPResponse,
+        leg: _Leg,
+        request_id: str | None,
+        first: bytes = b"",
+    ) -> tuple[int, _Cause | None, str]:
         """D's status, headers and body to the client, each piece as soon as it arrives.
 
-        Returns the status sent and a note: ``""``, ``"client disconnected"`` (D's connection
-        is then closed so vLLM aborts the request) or ``"decode …"`` when D's body broke off
-        (the client's connection is then closed without the final chunk, so it sees the cut).
+        ``first`` is the start of the body, when already read. Returns the status sent and
+        what cut the relay short, if anything, with a detail: ``_Cause.CLIENT`` when writing to
+        the client failed (D's connection is then closed so vLLM aborts the request), or
+        ``_Cause.DECODE`` when D's body broke off (the client's connection is then closed
+        without the final chunk, so it sees the cut).
         """
         length = response.getheader("Content-Length")
         chunked_in = response.chunked
@@ -644,69 +998,182 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             leg.abort()
             self.close_connection = True
-            return response.status, "client disconnected"
+            return response.status, _Cause.CLIENT, ""
+        data = first
         while True:
             try:
-                data = response.read1(_RELAY_BYTES)
-            except (OSError, http.client.HTTPException) as error:
-                self.close_connection = True
-                return response.status, (
-                    f"decode body broke off: {_failure(error, self.server.timeouts.decode_s)}"
-                )
-            try:
-                if not data:
-                    if chunked_out:
-                        self.wfile.write(b"0\r\n\r\n")
-                    return response.status, ""
-                if chunked_out:
+                if data and chunked_out:
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-                else:
+                elif data:
                     self.wfile.write(data)
             except OSError:
                 leg.abort()
                 self.close_connection = True
-                return response.status, "client disconnected"
+                return response.status, _Cause.CLIENT, ""
+            try:
+                data = response.read1(_RELAY_BYTES)
+            except (OSError, http.client.HTTPException) as error:
+                self.close_connection = True
+                detail = _failure(error, self.server.timeouts.decode_s)
+                return response.status, _Cause.DECODE, f"decode body broke off: {detail}"
+            if not data:
+                try:
+                    if chunked_out:
+                        self.wfile.write(b"0\r\n\r\n")
+                except OSError:
+                    self.close_connection = True
+                    return response.status, _Cause.CLIENT, ""
+                return response.status, None, ""
 
     # ---- client side ----
 
     def _read_body(self) -> bytes | None:
-        """The request body (Content-Length or chunked); None after answering an error."""
-        try:
-            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                return self._read_chunked()
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            self._send_error(HTTPStatus.BAD_REQUEST, "malformed request body framing", leg=None)
-            return None
-        if length < 0 or length > MAX_BODY_BYTES:
-            self._send_error(
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                f"body of {length} bytes (limit {MAX_BODY_BYTES})",
-                leg=None,
-            )
-            return None
-        return self.rfile.read(length)
+        """The request body, read only as its framing says and never past MAX_BODY_BYTES.
 
-    def _read_chunked(self) -> bytes | None:
+        One Content-Length (digits only), or chunked as the only transfer coding; a request
+        with neither has no body (RFC 9112 §6.3), so a POST without either is a 411, not a
+        read to EOF. Each refusal closes the connection: the rest of the body stays unread and
+        must not be taken for the next request. None after answering an error.
+        """
+        try:
+            return self._read_framed_body()
+        except TimeoutError:
+            refusal = _RefusedBodyError(
+                HTTPStatus.REQUEST_TIMEOUT,
+                f"not received within {self.server.timeouts.client_s:g} s",
+            )
+        except _RefusedBodyError as error:
+            refusal = error
+        self.close_connection = True
+        self._send_error(refusal.status, f"request body: {refusal}", leg=None)
+        return None
+
+    def _read_framed_body(self) -> bytes:
+        codings = [
+            coding.strip().lower()
+            for value in self.headers.get_all("Transfer-Encoding", [])
+            for coding in value.split(",")
+            if coding.strip()
+        ]
+        # "Content-Length: 42, 42" and repeated equal headers are one length (RFC 9110 §8.6).
+        lengths = {
+            length.strip()
+            for value in self.headers.get_all("Content-Length", [])
+            for length in value.split(",")
+        }
+        if codings:
+            named = ", ".join(codings)
+            if lengths:
+                raise _RefusedBodyError(
+                    HTTPStatus.BAD_REQUEST,
+                    "both Transfer-Encoding and Content-Length; send only one",
+                )
+            if codings[-1] != "chunked":
+                raise _RefusedBodyError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"Transfer-Encoding {named} does not end with chunked, so its length is "
+                    "unknown; send Content-Length or chunked",
+                )
+            if len(codings) > 1:
+                raise _RefusedBodyError(
+                    HTTPStatus.NOT_IMPLEMENTED,
+                    f"Transfer-Encoding {named}: only chunked is supported",
+                )
+            return self._read_chunked()
+        if not lengths:
+            raise _RefusedBodyError(
+                HTTPStatus.LENGTH_REQUIRED,
+                "no Content-Length and not chunked; send one of them",
+            )
+        if len(lengths) > 1:
+            raise _RefusedBodyError(
+                HTTPStatus.BAD_REQUEST, f"conflicting Content-Length values {sorted(lengths)}"
+            )
+        (text,) = lengths
+        if not (text.isascii() and text.isdigit()):
+            raise _RefusedBodyError(
+                HTTPStatus.BAD_REQUEST, f"Content-Length {text[:32]!r} is not a byte count"
+            )
+        digits = text.lstrip("0") or "0"
+        if len(digits) > len(str(MAX_BODY_BYTES)) or int(digits) > MAX_BODY_BYTES:
+            raise _RefusedBodyError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"{digits[:32]} bytes is over the limit of {MAX_BODY_BYTES} bytes",
+            )
+        length = int(digits)
+        data = self.rfile.read(length)
+        if len(data) < length:
+            raise _RefusedBodyError(
+                HTTPStatus.BAD_REQUEST, f"ended after {len(data)} of its {length} bytes"
+            )
+        return data
+
+    def _read_chunked(self) -> bytes:
         parts: list[bytes] = []
         total = 0
+        framing = 0  # size lines, extensions, CRLFs and trailers: bounded too
         while True:
-            size = int(self.rfile.readline(1024).split(b";", 1)[0].strip(), 16)
-            if size == 0:
-                while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
-                    pass  # trailers
-                return b"".join(parts)
-            total += size
-            if total > MAX_BODY_BYTES:
-                self._send_error(
+            line = self.rfile.readline(_MAX_CHUNK_LINE_BYTES + 1)
+            framing += len(line)
+            if not line.endswith(b"\n"):
+                raise _RefusedBodyError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"chunk size line cut off or over {_MAX_CHUNK_LINE_BYTES} bytes",
+                )
+            # chunk-size [BWS ";" chunk-ext] CRLF, the size in hex digits alone: no sign, no
+            # 0x, no "_" (all of which int(..., 16) would take).
+            size_field = line.split(b";", 1)[0].rstrip(b"\r\n").rstrip(b" \t")
+            if not size_field or not _HEX_DIGITS.issuperset(size_field):
+                raise _RefusedBodyError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"invalid chunk size {size_field[:32]!r} (expected hex digits)",
+                )
+            size = int(size_field, 16)
+            if size > MAX_BODY_BYTES - total:
+                raise _RefusedBodyError(
                     HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                     f"chunked body over the limit of {MAX_BODY_BYTES} bytes",
-                    leg=None,
                 )
-                self.close_connection = True
-                return None
-            parts.append(self.rfile.read(size))
-            self.rfile.readline(1024)
+            if size == 0:
+                return self._read_trailers(b"".join(parts), framing)
+            data = self.rfile.read(size)
+            if len(data) < size:
+                raise _RefusedBodyError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"ended inside a chunk, after {len(data)} of its {size} bytes",
+                )
+            parts.append(data)
+            total += size
+            end = self.rfile.readline(2)
+            framing += len(end)
+            if end not in (b"\r\n", b"\n"):
+                raise _RefusedBodyError(
+                    HTTPStatus.BAD_REQUEST, f"a chunk is longer than its size ({size} bytes)"
+                )
+            if framing > _MAX_CHUNK_FRAMING_BYTES:
+                raise _RefusedBodyError(
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    f"chunked framing over {_MAX_CHUNK_FRAMING_BYTES} bytes; "
+                    "send fewer, larger chunks",
+                )
+
+    def _read_trailers(self, body: bytes, framing: int) -> bytes:
+        """Skip the trailer fields, up to the blank line that ends a chunked body."""
+        while True:
+            line = self.rfile.readline(_MAX_CHUNK_LINE_BYTES + 1)
+            framing += len(line)
+            if not line.endswith(b"\n"):
+                raise _RefusedBodyError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"trailer line cut off or over {_MAX_CHUNK_LINE_BYTES} bytes",
+                )
+            if line in (b"\r\n", b"\n"):
+                return body
+            if framing > _MAX_CHUNK_FRAMING_BYTES:
+                raise _RefusedBodyError(
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    f"chunked framing and trailers over {_MAX_CHUNK_FRAMING_BYTES} bytes",
+                )
 
     def _send_json(self, status: int, payload: JSON, request_id: str | None = None) -> None:
         data = json.dumps(payload).encode()
@@ -716,6 +1183,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(data)))
             if request_id is not None:
                 self.send_header("X-Request-Id", request_id)
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
@@ -736,7 +1205,13 @@ class _Handler(BaseHTTPRequestHandler):
 class ProxyServer:
     """The router, in process: ``start()`` serves on a named background thread, ``address``
     is where it listens (``port=0`` picks a free port), ``stop()`` (idempotent) stops
-    accepting, aborts the requests in flight and joins the thread."""
+    accepting, aborts the requests in flight and joins the thread.
+
+    ``max_connections`` caps the client connections served at once (each holds a thread, and
+    one more while its P leg runs); a connection over it is answered 503 with ``Retry-After``
+    at once and closed, so a flood of clients cannot make the proxy start threads without
+    bound.
+    """
 
     def __init__(
         self,
@@ -746,15 +1221,20 @@ class ProxyServer:
         host: str = "127.0.0.1",
         port: int = 8000,
         timeouts: Timeouts | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         if not prefill:
             raise ValueError("the proxy needs at least one prefill instance")
         if not decode:
             raise ValueError("the proxy needs at least one decode instance")
+        if max_connections < 1:
+            raise ValueError(f"max_connections={max_connections}: the proxy needs at least 1")
         self.prefill = list(prefill)
         self.decode = [_Upstream.parse(url) for url in decode]
         self.timeouts = timeouts or Timeouts()
-        self._httpd = _HTTPServer((host, port), self.prefill, self.decode, self.timeouts)
+        self._httpd = _HTTPServer(
+            (host, port), self.prefill, self.decode, self.timeouts, max_connections
+        )
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._stopped = False
@@ -783,10 +1263,11 @@ class ProxyServer:
             )
             self._thread.start()
         logger.info(
-            "kvpush proxy on %s: prefill %s, decode %s",
+            "kvpush proxy on %s: prefill %s, decode %s, at most %d client connections",
             self.url,
             ", ".join(f"{p.url} ({p.engine_id})" for p in self.prefill),
             ", ".join(d.url for d in self.decode),
+            self._httpd.max_connections,
         )
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -825,6 +1306,16 @@ def _decode_arg(url: str) -> str:
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"--decode {error}") from None
     return url
+
+
+def _max_connections_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--max-connections {text!r}: expected an integer >= 1")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -876,6 +1367,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"seconds a client may stall or idle (default {defaults.client_s:g})",
     )
     parser.add_argument(
+        "--max-connections",
+        type=_max_connections_arg,
+        default=MAX_CONNECTIONS,
+        metavar="N",
+        help=(
+            "client connections served at once; one more is answered 503 with Retry-After "
+            f"(default {MAX_CONNECTIONS}; each holds a thread and, with its legs, up to three "
+            "file descriptors, so keep the open-files limit above 3N)"
+        ),
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -896,7 +1398,12 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         server = ProxyServer(
-            args.prefill, args.decode, host=args.host, port=args.port, timeouts=timeouts
+            args.prefill,
+            args.decode,
+            host=args.host,
+            port=args.port,
+            timeouts=timeouts,
+            max_connections=args.max_connections,
         )
     except OSError as error:
         logger.error("kvpush proxy: cannot listen on %s:%s: %s", args.host, args.port, error)
