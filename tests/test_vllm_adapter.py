@@ -129,6 +129,7 @@ def worker(engine: str, caches: list[np.ndarray], block_size: int, port: int) ->
         side_channel_host="127.0.0.1",
         side_channel_port=port,
         secret=b"adapter-test-secret-0123",
+        insecure=False,
         ttl=30.0,
         receive_timeout=30.0,
         transport="loopback",

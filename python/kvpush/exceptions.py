@@ -18,8 +18,10 @@ here, which is where user code should import them from::
     │   ├── MessageTooLargeError  over the frame size limit
     │   ├── MalformedMessageError not a valid kvpush/1 frame (truncated, bad fields, unknown kind)
     │   └── AuthenticationError   unsigned, forged, replayed or too old (with a secret configured)
-    └── TransportError            the data path (NIXL, loopback) or the side channel failed
-        └── NixlUnavailableError  NIXL's C API library could not be found or loaded
+    ├── TransportError            the data path (NIXL, loopback) or the side channel failed
+    │   └── NixlUnavailableError  NIXL's C API library could not be found or loaded
+    ├── ConfigError               a setting is out of range or unsafe (no secret beyond loopback)
+    └── UnhealthyError            the endpoint's writer stopped or stalled: no new work
 
 Each instance carries a stable ``code`` (snake_case, for metrics and logs) and, where one is
 known, the ``key`` (transfer key) or ``request`` it concerns.
@@ -27,6 +29,7 @@ known, the ``key`` (transfer key) or ``request`` it concerns.
 
 from kvpush._native import (
     AuthenticationError,
+    ConfigError,
     DuplicateReadyError,
     FencedError,
     InvalidBlocksError,
@@ -42,10 +45,12 @@ from kvpush._native import (
     StaleEpochError,
     TableFullError,
     TransportError,
+    UnhealthyError,
 )
 
 __all__ = [
     "AuthenticationError",
+    "ConfigError",
     "DuplicateReadyError",
     "FencedError",
     "InvalidBlocksError",
@@ -61,4 +66,5 @@ __all__ = [
     "StaleEpochError",
     "TableFullError",
     "TransportError",
+    "UnhealthyError",
 ]

@@ -34,6 +34,7 @@ def _reason_code(event: kvpush.TransferEvent) -> str:
     """A short, bounded label for a failure: the outcome and the first words of the reason."""
     reason = (event.reason or "").lower()
     for code in (
+        "quarantined",
         "aborted",
         "expired",
         "cancelled",

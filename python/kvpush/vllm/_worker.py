@@ -98,6 +98,8 @@ class WorkerConfig:
     side_channel_host: str
     side_channel_port: int
     secret: bytes | None
+    #: Listen beyond loopback without a secret (``insecure`` / ``KVPUSH_INSECURE=1``).
+    insecure: bool
     ttl: float
     receive_timeout: float
     transport: str
@@ -157,9 +159,11 @@ class PushWorker:
                 layout,
                 memory=spans,
                 transport=self._config.transport,  # type: ignore[arg-type]
-                agent_name=f"{self._config.engine_id}-tp{self._model.tp_rank}",
+                # No agent_name: the endpoint makes one unique to this process, so that two
+                # replicas sharing an engine id, or a restarted worker, never share an agent.
                 bind=f"{self._config.side_channel_host}:{port}",
                 secret=self._config.secret,
+                insecure=self._config.insecure,
                 compatibility=compatibility(self._config.model_fingerprint, cache),
             )
         self._clock_offset = time.time() - self._endpoint.clock()
@@ -265,6 +269,18 @@ class PushWorker:
             decided = self._decided.pop(event.request_id, None)
             self._record(event, decided, offset)
             _stats.observe(self._stats, event, decided, offset)
+            if event.outcome == "quarantined":
+                # A WRITE the transport could not release may still be moving bytes: these
+                # blocks must never be reused, so the request is never reported finished and
+                # vLLM keeps them allocated. Rare (a transport fault); alert on it.
+                logger.error(
+                    "kvpush: %s of %s quarantined, its KV blocks stay held for good: %s",
+                    event.role,
+                    event.request_id,
+                    event.reason,
+                )
+                self._recv_blocks.pop(event.request_id, None)
+                continue
             if event.role == "send":
                 if event.outcome == "failed":
                     logger.warning("kvpush: send of %s failed: %s", event.request_id, event.reason)

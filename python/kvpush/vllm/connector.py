@@ -14,7 +14,9 @@ channels (``finished_sending``/``finished_recving``/``failed_recving`` and inval
 
 Options (``kv_connector_extra_config``): ``side_channel_host``/``side_channel_port`` (default:
 ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, as vLLM's NIXL connectors; worker ``r`` listens on
-port + r), ``secret`` (or env ``KVPUSH_SECRET``: HMAC-sign every control message),
+port + r), ``secret`` (or env ``KVPUSH_SECRET``: HMAC-sign every control message and prove
+it both ways before any NIXL metadata moves; required to listen beyond loopback unless
+``insecure`` is true or ``KVPUSH_INSECURE=1``),
 ``kv_lease_duration`` (s P keeps finished KV for D, default 30), ``receive_timeout`` (s D waits
 for KV, default 120), ``transport`` (``nixl``, or ``loopback`` for in-process tests).
 """
@@ -155,6 +157,13 @@ class KvPushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             self._failures.labels(*labels, reason).inc(count)
 
 
+def _flag(value: object) -> bool:
+    """A boolean option given as JSON (true/false) or as an environment string (1/true/yes)."""
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in {"1", "true", "yes", "on"}
+
+
 def _worker_config(vllm_config: VllmConfig) -> WorkerConfig:
     transfer = vllm_config.kv_transfer_config
     extra = transfer.kv_connector_extra_config or {}
@@ -170,6 +179,7 @@ def _worker_config(vllm_config: VllmConfig) -> WorkerConfig:
             extra.get("side_channel_port") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 5600
         ),
         secret=secret.encode() if isinstance(secret, str) else secret,
+        insecure=_flag(extra.get("insecure", os.environ.get("KVPUSH_INSECURE", ""))),
         ttl=float(extra.get("kv_lease_duration", 30.0)),
         receive_timeout=float(extra.get("receive_timeout", 120.0)),
         transport=str(extra.get("transport", "nixl")),

@@ -66,6 +66,15 @@ use crate::sync::{lock, AtomicUsize, CachePadded, Mutex, MutexGuard, Ordering};
 /// a retry), so the table can tell the current registration from a stale one.
 pub type Epoch = u64;
 
+/// Who made a registration: an authenticated peer's identity (on P, a hash of D's engine id and
+/// its process-unique agent name). Only the owner may supersede or cancel its registration.
+/// [`ANY_OWNER`] is the owner of every registration made through the owner-less calls.
+pub type Owner = u64;
+
+/// The owner of registrations made with [`RendezvousTable::register`]; a cancel with no owner
+/// ([`RendezvousTable::cancel`]) may cancel any registration, as P's own abort does.
+pub const ANY_OWNER: Owner = 0;
+
 /// How a [`RendezvousTable`] is sized.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableConfig {
@@ -239,6 +248,15 @@ pub enum RendezvousError {
         /// The configured `max_entries`.
         capacity: usize,
     },
+    /// Another peer owns the registration for this key: only its owner may supersede it.
+    #[error(
+        "registration for transfer {key} refused: another peer registered this transfer; a \
+         registration belongs to the peer that made it"
+    )]
+    Foreign {
+        /// The transfer.
+        key: TransferKey,
+    },
     /// `begin_write` or `finish` named an epoch that is not the matched (or in-flight) one.
     #[error(
         "transfer {key} epoch {epoch} is not matched or in flight (superseded by a \
@@ -261,6 +279,7 @@ impl RendezvousError {
             Self::Fenced { .. } => "fenced",
             Self::TableFull { .. } => "table_full",
             Self::NotMatched { .. } => "not_matched",
+            Self::Foreign { .. } => "foreign",
         }
     }
 
@@ -271,7 +290,8 @@ impl RendezvousError {
             | Self::DuplicateReady { key }
             | Self::Fenced { key, .. }
             | Self::TableFull { key, .. }
-            | Self::NotMatched { key, .. } => key,
+            | Self::NotMatched { key, .. }
+            | Self::Foreign { key } => key,
         }
     }
 }
@@ -357,25 +377,50 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         deadline: Instant,
         now: Instant,
     ) -> Result<Arrival<R, K>, RendezvousError> {
+        self.register_owned(key, epoch, ANY_OWNER, registration, deadline, now)
+    }
+
+    /// [`register`](Self::register) on behalf of `owner`: the registration belongs to it, and a
+    /// registration of the same key by another owner is refused with
+    /// [`RendezvousError::Foreign`] whatever its epoch (only P's ready half is shared).
+    pub fn register_owned(
+        &self,
+        key: TransferKey,
+        epoch: Epoch,
+        owner: Owner,
+        registration: R,
+        deadline: Instant,
+        now: Instant,
+    ) -> Result<Arrival<R, K>, RendezvousError> {
         let (hash, mut shard) = self.shard(&key);
         let Some(taken) = self.take(&mut shard, hash, &key, now) else {
-            let state = State::Registered { epoch, registration, deadline };
+            let state = State::Registered { epoch, owner, registration, deadline };
             self.admit(&mut shard, hash, key, state)?;
             return Ok(Arrival::Waiting { superseded: None });
         };
+        if taken.state.owner().is_some_and(|holder| holder != owner) {
+            self.settle(&mut shard, taken.key, taken.kind, taken.state, now);
+            return Err(RendezvousError::Foreign { key });
+        }
         let stale = |current| Err(RendezvousError::StaleEpoch { key: key.clone(), epoch, current });
         let (state, result) = match taken.state {
-            State::Registered { epoch: current, registration: old, deadline: old_deadline } => {
+            State::Registered {
+                epoch: current,
+                owner,
+                registration: old,
+                deadline: old_deadline,
+            } => {
                 if epoch > current {
                     let superseded = Some(old);
                     (
-                        State::Registered { epoch, registration, deadline },
+                        State::Registered { epoch, owner, registration, deadline },
                         Ok(Arrival::Waiting { superseded }),
                     )
                 } else {
                     (
                         State::Registered {
                             epoch: current,
+                            owner,
                             registration: old,
                             deadline: old_deadline,
                         },
@@ -387,13 +432,20 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 let matched = Match { key: key.clone(), epoch, registration, ready: ready.clone() };
                 let state = State::Matched {
                     epoch,
+                    owner,
                     ready,
                     ready_deadline,
                     registration_deadline: deadline,
                 };
                 (state, Ok(Arrival::Matched(matched)))
             }
-            State::Matched { epoch: current, ready, ready_deadline, registration_deadline } => {
+            State::Matched {
+                epoch: current,
+                owner,
+                ready,
+                ready_deadline,
+                registration_deadline,
+            } => {
                 if epoch > current {
                     // The old match's holder has not begun (the entry would be in flight), so
                     // re-matching now cannot race a write; its begin_write will be refused.
@@ -401,6 +453,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                         Match { key: key.clone(), epoch, registration, ready: ready.clone() };
                     let state = State::Matched {
                         epoch,
+                        owner,
                         ready,
                         ready_deadline,
                         registration_deadline: deadline,
@@ -409,6 +462,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 } else {
                     let state = State::Matched {
                         epoch: current,
+                        owner,
                         ready,
                         ready_deadline,
                         registration_deadline,
@@ -416,7 +470,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                     (state, stale(current))
                 }
             }
-            State::InFlight { epoch: writing, ready, ready_deadline, after, ack_owed } => {
+            State::InFlight { epoch: writing, owner, ready, ready_deadline, after, ack_owed } => {
                 let (after, result) = match after {
                     AfterWrite::Cancelled => {
                         let reason = FenceReason::Cancelled;
@@ -448,7 +502,15 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                         }
                     }
                 };
-                (State::InFlight { epoch: writing, ready, ready_deadline, after, ack_owed }, result)
+                let state = State::InFlight {
+                    epoch: writing,
+                    owner,
+                    ready,
+                    ready_deadline,
+                    after,
+                    ack_owed,
+                };
+                (state, result)
             }
             State::Fenced { reason, until } => (
                 State::Fenced { reason, until },
@@ -476,10 +538,11 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             return Ok(Arrival::Waiting { superseded: None });
         };
         let (state, result) = match taken.state {
-            State::Registered { epoch, registration, deadline: registration_deadline } => {
+            State::Registered { epoch, owner, registration, deadline: registration_deadline } => {
                 let matched = Match { key: key.clone(), epoch, registration, ready: ready.clone() };
                 let state = State::Matched {
                     epoch,
+                    owner,
                     ready,
                     ready_deadline: deadline,
                     registration_deadline,
@@ -511,9 +574,13 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             return Err(RendezvousError::NotMatched { key: key.clone(), epoch });
         };
         let (state, result) = match taken.state {
-            State::Matched { epoch: matched, ready, ready_deadline, .. } if matched == epoch => {
+            State::Matched { epoch: matched, owner, ready, ready_deadline, .. }
+                if matched == epoch =>
+            {
                 let after = AfterWrite::End;
-                (State::InFlight { epoch, ready, ready_deadline, after, ack_owed: false }, Ok(()))
+                let state =
+                    State::InFlight { epoch, owner, ready, ready_deadline, after, ack_owed: false };
+                (state, Ok(()))
             }
             State::Fenced { reason, until } => (
                 State::Fenced { reason, until },
@@ -543,7 +610,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             return Err(RendezvousError::NotMatched { key: key.clone(), epoch });
         };
         let (state, result) = match taken.state {
-            State::InFlight { epoch: writing, ready, ready_deadline, after, ack_owed }
+            State::InFlight { epoch: writing, owner, ready, ready_deadline, after, ack_owed }
                 if writing == epoch =>
             {
                 let (state, rematch) = match after {
@@ -555,6 +622,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                         // not from a deadline that may be older than `fence_ttl`.
                         let state = State::Matched {
                             epoch,
+                            owner,
                             ready,
                             ready_deadline: ready_deadline.max(now),
                             registration_deadline: deadline.max(now),
@@ -592,13 +660,39 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     /// An unknown key is fenced as cancelled, so that a half arriving later (P aborted before D
     /// registered) is refused at once.
     pub fn cancel(&self, key: &TransferKey, epoch: Option<Epoch>, now: Instant) -> Cancelled<R, K> {
+        self.cancel_owned(key, epoch, None, now)
+    }
+
+    /// [`cancel`](Self::cancel) on behalf of `owner` (`None`: P itself, which may cancel
+    /// anything). An owner may cancel only its own registration: a key another owner registered,
+    /// or that only P's ready half holds, is left alone and reported [`Cancelled::NotFound`];
+    /// and an unknown key is not fenced, so that no peer can fence keys it never registered.
+    pub fn cancel_owned(
+        &self,
+        key: &TransferKey,
+        epoch: Option<Epoch>,
+        owner: Option<Owner>,
+        now: Instant,
+    ) -> Cancelled<R, K> {
         let covers = |current: Epoch| epoch.is_none_or(|epoch| epoch >= current);
         let (hash, mut shard) = self.shard(key);
         let Some(taken) = self.take(&mut shard, hash, key, now) else {
-            let fence = self.fence_from(FenceReason::Cancelled, now);
-            self.settle(&mut shard, StoredKey { hash, key: key.clone() }, Kind::Absent, fence, now);
+            if owner.is_none() {
+                let fence = self.fence_from(FenceReason::Cancelled, now);
+                let stored = StoredKey { hash, key: key.clone() };
+                self.settle(&mut shard, stored, Kind::Absent, fence, now);
+            }
             return Cancelled::NotFound;
         };
+        let foreign = owner.is_some_and(|owner| match taken.state.owner() {
+            Some(holder) => holder != owner,
+            // Only P's ready half (or a fence): nothing of the peer's to cancel.
+            None => !matches!(taken.state, State::Fenced { .. }),
+        });
+        if foreign {
+            self.settle(&mut shard, taken.key, taken.kind, taken.state, now);
+            return Cancelled::NotFound;
+        }
         let (state, result) = match taken.state {
             State::Registered { epoch, registration, .. } if covers(epoch) => {
                 let removed = Cancelled::Removed { registration: Some(registration), ready: None };
@@ -612,7 +706,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 let removed = Cancelled::Removed { registration: None, ready: Some(ready) };
                 (self.fence_from(FenceReason::Cancelled, now), removed)
             }
-            State::InFlight { epoch: writing, ready, ready_deadline, after, ack_owed } => {
+            State::InFlight { epoch: writing, owner, ready, ready_deadline, after, ack_owed } => {
                 let current = match &after {
                     AfterWrite::Rematch { epoch, .. } => *epoch,
                     AfterWrite::End | AfterWrite::Cancelled => writing,
@@ -627,7 +721,15 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 } else {
                     (after, ack_owed, Cancelled::NotFound)
                 };
-                (State::InFlight { epoch: writing, ready, ready_deadline, after, ack_owed }, result)
+                let state = State::InFlight {
+                    epoch: writing,
+                    owner,
+                    ready,
+                    ready_deadline,
+                    after,
+                    ack_owed,
+                };
+                (state, result)
             }
             // A stale cancel (its registration was superseded and never written) or a fence.
             state => (state, Cancelled::NotFound),
@@ -649,6 +751,63 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             while self.expire_batch(&mut lock(shard), now, &mut expired) {}
         }
         expired
+    }
+
+    /// Ends every registration for which `lost` holds (its peer is gone, so nothing may be
+    /// written to it): a waiting one is removed and its key fenced as cancelled, and one waiting
+    /// for a write in flight is dropped, so that write ends the key. Returns what was removed.
+    ///
+    /// A matched entry whose write has not begun is left to its holder, whose `begin_write`
+    /// still succeeds: the writer checks the peer before it posts. Scans every shard, holding
+    /// one shard's lock at a time; a peer's loss is rare and the table is bounded.
+    pub fn purge(&self, lost: impl Fn(&R) -> bool, now: Instant) -> Vec<(TransferKey, Epoch, R)> {
+        let mut purged = Vec::new();
+        for shard in self.shards.iter() {
+            let mut shard = lock(shard);
+            let doomed: Vec<(u64, TransferKey)> = shard
+                .entries
+                .iter()
+                .filter(|entry| match &entry.state {
+                    State::Registered { registration, .. }
+                    | State::InFlight { after: AfterWrite::Rematch { registration, .. }, .. } => {
+                        lost(registration)
+                    }
+                    _ => false,
+                })
+                .map(|entry| (entry.key.hash, entry.key.key.clone()))
+                .collect();
+            for (hash, key) in doomed {
+                let Some(taken) = take_entry(&mut shard, hash, &key) else { continue };
+                let state = match taken.state {
+                    State::Registered { epoch, registration, .. } => {
+                        purged.push((key, epoch, registration));
+                        self.fence_from(FenceReason::Cancelled, now)
+                    }
+                    State::InFlight {
+                        epoch: writing,
+                        owner,
+                        ready,
+                        ready_deadline,
+                        after: AfterWrite::Rematch { epoch, registration, .. },
+                        ack_owed,
+                    } => {
+                        purged.push((key, epoch, registration));
+                        let after = AfterWrite::End;
+                        State::InFlight {
+                            epoch: writing,
+                            owner,
+                            ready,
+                            ready_deadline,
+                            after,
+                            ack_owed,
+                        }
+                    }
+                    state => state,
+                };
+                self.settle(&mut shard, taken.key, taken.kind, state, now);
+            }
+        }
+        purged
     }
 
     /// Live (not ended) entries, fences excluded.
@@ -974,14 +1133,22 @@ enum Kind {
 /// its predecessor's deadline; an entry is due at the earliest deadline of the halves it holds.
 enum State<R, K> {
     /// D registered; P's KV is not ready yet.
-    Registered { epoch: Epoch, registration: R, deadline: Instant },
+    Registered { epoch: Epoch, owner: Owner, registration: R, deadline: Instant },
     /// P's KV is ready; D has not registered yet.
     Ready { ready: K, deadline: Instant },
     /// Both halves met at `epoch` and the match went out; the write has not begun.
-    Matched { epoch: Epoch, ready: K, ready_deadline: Instant, registration_deadline: Instant },
+    Matched {
+        epoch: Epoch,
+        owner: Owner,
+        ready: K,
+        ready_deadline: Instant,
+        registration_deadline: Instant,
+    },
     /// The write for `epoch` is under way; only `finish` ends it.
     InFlight {
         epoch: Epoch,
+        /// The owner of the registration being written, and of any re-registration after it.
+        owner: Owner,
         ready: K,
         ready_deadline: Instant,
         after: AfterWrite<R>,
@@ -993,6 +1160,16 @@ enum State<R, K> {
 }
 
 impl<R, K> State<R, K> {
+    /// Who owns the registration this state holds or is writing; `None` before D registered.
+    fn owner(&self) -> Option<Owner> {
+        match self {
+            Self::Registered { owner, .. }
+            | Self::Matched { owner, .. }
+            | Self::InFlight { owner, .. } => Some(*owner),
+            Self::Ready { .. } | Self::Fenced { .. } => None,
+        }
+    }
+
     /// When `expire` should look at this entry; `None` when it never expires.
     fn due(&self) -> Option<Instant> {
         match self {

@@ -92,6 +92,9 @@ fn message() -> impl Strategy<Value = Message> {
                     compatibility,
                     versions,
                     memory: kvpush_core::transport::MemorySpace::DRAM,
+                    nonce: 0,
+                    echo: 0,
+                    write_horizon_ms: 0,
                 })
             },
         );
@@ -145,7 +148,7 @@ fn message() -> impl Strategy<Value = Message> {
         },
     );
     let heartbeat = (text(), any::<u64>(), any::<u32>()).prop_map(|(engine_id, seq, pending)| {
-        Message::Heartbeat(Heartbeat { engine_id, seq, pending })
+        Message::Heartbeat(Heartbeat { engine_id, seq, pending, clock_ms: seq, echo_ms: seq / 2 })
     });
     let error =
         (text(), text()).prop_map(|(code, detail)| Message::Error(ErrorReply { code, detail }));

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::protocol::{
-    frame_len, unix_millis, BlockGroup, Cancel, CancelAck, Decoder, Done, Encoder, ErrorReply,
-    Fail, FailReason, Heartbeat, Hello, Limits, Message, ProtocolError, Register, Secret,
+    frame_len, unix_millis, Attach, BlockGroup, Cancel, CancelAck, Decoder, Done, Encoder,
+    ErrorReply, Fail, FailReason, Heartbeat, Hello, Limits, Message, ProtocolError, Register,
+    Secret,
 };
 use kvpush_core::side_channel::{
     ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig, SideChannelError,
@@ -152,6 +153,20 @@ fn hello(engine_id: &str) -> Hello {
         compatibility: "qwen3-0.6b/bf16/flash".into(),
         versions: vec![1],
         memory: kvpush_core::transport::MemorySpace::DRAM,
+        nonce: 0,
+        echo: 0,
+        write_horizon_ms: 0,
+    }
+}
+
+/// `hello` as it reaches the other side: no agent metadata on the wire (the connector's comes in
+/// its Attach), and this connection's challenge.
+fn on_the_wire(hello: &Hello, seen: &Hello) -> Hello {
+    Hello {
+        agent_metadata: seen.agent_metadata.clone(),
+        nonce: seen.nonce,
+        echo: seen.echo,
+        ..hello.clone()
     }
 }
 
@@ -228,12 +243,20 @@ impl RawPeer {
         self.socket.write_all(&frame).expect("raw write");
     }
 
-    /// Sends our Hello and returns the channel's.
+    /// Does a connector's handshake (Hello with a challenge, the channel's Hello answering it,
+    /// our Attach answering the channel's, its welcome) and returns the channel's Hello.
     fn handshake(&mut self) -> Hello {
-        self.send(&Message::Hello(hello("raw-peer")));
-        match self.receive() {
+        self.send(&Message::Hello(Hello { nonce: 41, ..hello("raw-peer") }));
+        let theirs = match self.receive() {
             Some(Message::Hello(hello)) => hello,
             other => panic!("expected the channel's hello, got {other:?}"),
+        };
+        assert_eq!(theirs.echo, 41, "the channel's hello answers our challenge");
+        assert!(theirs.agent_metadata.is_empty(), "no agent metadata before we proved anything");
+        self.send(&Message::Attach(Attach { echo: theirs.nonce, agent_metadata: vec![7; 300] }));
+        match self.receive() {
+            Some(Message::Heartbeat(_)) => theirs,
+            other => panic!("expected the channel's welcome heartbeat, got {other:?}"),
         }
     }
 
@@ -290,14 +313,20 @@ fn handshake_delivers_each_sides_hello_to_the_other() {
     let (decode, d_events) = start(config("decode-0"));
 
     let p = decode.connect(&prefill.local_addr().to_string()).expect("handshake");
-    assert_eq!(p.hello, hello("prefill-0"));
+    // D never needs P's agent metadata, so P's Hello carries none.
+    assert!(p.hello.agent_metadata.is_empty());
+    assert_eq!(p.hello, on_the_wire(&hello("prefill-0"), &p.hello));
     assert_eq!(p.addr, prefill.local_addr());
     assert_eq!(d_events.joined(), vec![p.clone()]);
-    assert_eq!(decode.peers(), vec![p]);
+    assert_eq!(decode.peers(), vec![p.clone()]);
 
     assert!(p_events.wait_for(|| prefill.peers().len() == 1));
     let d = only_peer(&prefill);
-    assert_eq!(d.hello, hello("decode-0"));
+    // D's metadata reached P (in its Attach), and each side's challenge was answered.
+    assert_eq!(d.hello.agent_metadata, hello("decode-0").agent_metadata);
+    assert_eq!(d.hello, on_the_wire(&hello("decode-0"), &d.hello));
+    assert_eq!(p.hello.echo, d.hello.nonce);
+    assert_ne!(d.hello.nonce, 0);
     assert_eq!(p_events.joined(), vec![d]);
     assert!(p_events.refusals().is_empty() && d_events.refusals().is_empty());
 }
@@ -419,7 +448,8 @@ fn signed_channels_talk_and_a_different_secret_is_refused_and_counted() {
 fn a_silent_peer_is_lost_after_peer_timeout() {
     let (prefill, p_events) = start(config("prefill-0"));
     let mut raw = RawPeer::connect(prefill.local_addr(), None);
-    assert_eq!(raw.handshake(), hello("prefill-0"));
+    let theirs = raw.handshake();
+    assert_eq!(theirs, on_the_wire(&hello("prefill-0"), &theirs));
     let d = only_peer(&prefill);
     // The channel keeps sending us heartbeats while we say nothing.
     assert!(matches!(raw.receive(), Some(Message::Heartbeat(Heartbeat { seq: 1, .. }))));
@@ -749,4 +779,145 @@ fn inconsistent_configurations_are_refused_at_start() {
         SideChannel::start(bad, hello("prefill-0"), Arc::new(Recorder::default())).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
     assert!(err.to_string().contains("peer_timeout"), "{err}");
+}
+
+/// Captures the bytes a connector writes when it connects to a fake listener: its first frame.
+fn captured_hello_frame(secret: Option<Secret>) -> Vec<u8> {
+    let listener = TcpListener::bind(loopback()).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let mut decode_config = config("decode-0");
+    decode_config.secret = secret;
+    decode_config.connect_timeout = Duration::from_millis(300);
+    let (decode, _) = start(decode_config);
+    let connector = std::thread::spawn(move || {
+        let _ = decode.connect(&addr.to_string());
+    });
+    let (mut socket, _) = listener.accept().expect("accept");
+    socket.set_read_timeout(Some(WAIT)).expect("read timeout");
+    let mut prefix = [0; 4];
+    socket.read_exact(&mut prefix).expect("prefix");
+    let len = frame_len(&prefix, &Limits::default()).expect("sane").expect("4 bytes");
+    let mut frame = prefix.to_vec();
+    frame.resize(len, 0);
+    socket.read_exact(&mut frame[4..]).expect("frame");
+    connector.join().expect("connector");
+    frame
+}
+
+#[test]
+fn a_connectors_hello_carries_no_agent_metadata_and_a_fresh_challenge() {
+    let frame = captured_hello_frame(Some(secret(1)));
+    let mut decoder = Decoder::new(Some(secret(1)), Limits::default());
+    let Message::Hello(sent) = decoder.decode(&frame, unix_millis()).expect("signed hello").message
+    else {
+        panic!("the first frame is a hello");
+    };
+    assert!(sent.agent_metadata.is_empty(), "metadata left before the peer proved anything");
+    assert_ne!(sent.nonce, 0);
+    let again = captured_hello_frame(Some(secret(1)));
+    let Message::Hello(second) = decoder.decode(&again, unix_millis()).expect("hello").message
+    else {
+        panic!("hello");
+    };
+    assert_ne!(second.nonce, sent.nonce, "every connection poses a new challenge");
+}
+
+#[test]
+fn a_replayed_hello_gets_no_further_than_the_challenge() {
+    let mut prefill_config = config("prefill-0");
+    prefill_config.secret = Some(secret(1));
+    let (prefill, p_events) = start(prefill_config);
+    // A genuine D's Hello, captured on the wire, replayed by someone without the secret.
+    let frame = captured_hello_frame(Some(secret(1)));
+    // It signs with a key of its own; it reads with the real one only so the test can see.
+    let mut raw = RawPeer::connect(prefill.local_addr(), Some(secret(1)));
+    raw.encoder = Encoder::new("replayer", Some(secret(2)));
+    raw.socket.write_all(&frame).expect("replay");
+    // The channel answers with its Hello (it cannot tell a replay yet) ...
+    let Some(Message::Hello(_)) = raw.receive() else { panic!("expected the channel's hello") };
+    // ... but the replayer cannot sign an Attach that answers its challenge.
+    raw.send(&Message::Attach(Attach { echo: 1, agent_metadata: vec![1; 16] }));
+    assert!(raw.closed_by_channel());
+    assert!(p_events.joined().is_empty(), "a replayed handshake joined: {:?}", p_events.events());
+    assert!(p_events.wait_for(|| !p_events.refusals().is_empty()));
+}
+
+#[test]
+fn an_attach_that_does_not_answer_the_challenge_is_refused() {
+    let (prefill, p_events) = start(config("prefill-0"));
+    let mut raw = RawPeer::connect(prefill.local_addr(), None);
+    raw.send(&Message::Hello(Hello { nonce: 5, ..hello("raw-peer") }));
+    let Some(Message::Hello(theirs)) = raw.receive() else { panic!("expected a hello") };
+    raw.send(&Message::Attach(Attach {
+        echo: theirs.nonce.wrapping_add(1),
+        agent_metadata: vec![1; 16],
+    }));
+    let Some(Message::Error(reply)) = raw.receive() else { panic!("expected an error reply") };
+    assert_eq!(reply.code, "unauthenticated");
+    assert!(raw.closed_by_channel());
+    assert!(p_events.joined().is_empty());
+}
+
+#[test]
+fn a_large_frame_before_the_handshake_is_refused_without_being_read() {
+    let (prefill, p_events) = start(config("prefill-0"));
+    let mut socket = TcpStream::connect(prefill.local_addr()).expect("connect");
+    socket.set_read_timeout(Some(WAIT)).expect("timeout");
+    // Announces 1 MiB: allowed after the handshake, not before it.
+    socket.write_all(&(1_u32 << 20).to_be_bytes()).expect("prefix");
+    let mut sink = Vec::new();
+    let _ = socket.read_to_end(&mut sink);
+    assert!(p_events.wait_for(|| p_events.refusals().contains(&"oversized".to_owned())));
+}
+
+#[test]
+fn connections_from_one_host_and_handshakes_are_capped() {
+    let mut prefill_config = config("prefill-0");
+    prefill_config.max_handshakes = 4;
+    let (prefill, _) = start(prefill_config);
+    // Silent connections hold handshake slots until connect_timeout; the fifth is turned away.
+    let silent: Vec<TcpStream> =
+        (0..4).map(|_| TcpStream::connect(prefill.local_addr()).expect("connect")).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut fifth = RawPeer::connect(prefill.local_addr(), None);
+    let Some(Message::Error(reply)) = fifth.receive() else { panic!("expected a refusal") };
+    assert_eq!(reply.code, "too_many_connections");
+    drop(silent);
+}
+
+#[test]
+fn a_routable_address_without_a_secret_refuses_to_start_unless_allowed() {
+    let mut open = config("prefill-0");
+    open.bind = "0.0.0.0:0".parse().expect("addr");
+    let Err(error) =
+        SideChannel::start(open.clone(), hello("prefill-0"), Arc::new(Recorder::default()))
+    else {
+        panic!("started without a secret on 0.0.0.0");
+    };
+    assert_eq!(error.kind(), ErrorKind::PermissionDenied);
+    assert!(error.to_string().contains("KVPUSH_SECRET"), "{error}");
+    let mut signed = open.clone();
+    signed.secret = Some(secret(1));
+    assert!(SideChannel::start(signed, hello("prefill-0"), Arc::new(Recorder::default())).is_ok());
+    open.allow_insecure = true;
+    assert!(SideChannel::start(open, hello("prefill-0"), Arc::new(Recorder::default())).is_ok());
+}
+
+#[test]
+fn heartbeats_echo_each_others_clock_and_prove_liveness() {
+    let (prefill, p_events) = start(config("prefill-0"));
+    let (decode, _) = start(config("decode-0"));
+    let p = decode.connect(&prefill.local_addr().to_string()).expect("handshake");
+    assert!(p_events.wait_for(|| prefill.peers().len() == 1));
+    let d = only_peer(&prefill);
+    // The handshake itself proves each side alive (the answer to our challenge).
+    let first = prefill.proof_age(d.id).expect("proof from the handshake");
+    assert!(decode.proof_age(p.id).is_some());
+    // Heartbeats (100 ms here) keep renewing it: it never grows past a few intervals.
+    std::thread::sleep(Duration::from_millis(600));
+    let later = prefill.proof_age(d.id).expect("proof");
+    assert!(later < Duration::from_millis(600) + first, "proof stopped renewing: {later:?}");
+    // A peer that is gone has no proof.
+    decode.close();
+    assert!(p_events.wait_for(|| prefill.proof_age(d.id).is_none()));
 }

@@ -186,9 +186,15 @@ impl NixlTransport {
         }
     }
 
-    fn release(&mut self, request: XferRequest) {
-        if let Err((request, _)) = request.release() {
-            self.stuck.push(request);
+    /// Releases `request`; `false` when the backend could not let it go (kept, and retried, in
+    /// `stuck`).
+    fn release(&mut self, request: XferRequest) -> bool {
+        match request.release() {
+            Ok(()) => true,
+            Err((request, _)) => {
+                self.stuck.push(request);
+                false
+            }
         }
     }
 
@@ -349,9 +355,10 @@ impl Transport for NixlTransport {
         }
     }
 
-    fn abandon_write(&mut self, write: WriteId) {
-        if let Some(Pending::Write { request, .. }) = self.writes.remove(&write) {
-            self.release(request);
+    fn abandon_write(&mut self, write: WriteId) -> bool {
+        match self.writes.remove(&write) {
+            Some(Pending::Write { request, .. }) => self.release(request),
+            _ => true,
         }
     }
 

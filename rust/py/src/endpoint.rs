@@ -58,7 +58,7 @@ pub(crate) struct TransferEvent {
     request_id: String,
     /// The transfer key both sides matched on.
     key: String,
-    /// "done", "failed" or "cancelled".
+    /// "done", "failed", "cancelled" or "quarantined" (the blocks must never be reused).
     outcome: &'static str,
     /// Why, when not done.
     reason: Option<String>,
@@ -76,6 +76,7 @@ impl TransferEvent {
             Outcome::Done => ("done", None),
             Outcome::Failed(reason) => ("failed", Some(reason)),
             Outcome::Cancelled(reason) => ("cancelled", Some(reason)),
+            Outcome::Quarantined(reason) => ("quarantined", Some(reason)),
         };
         let t = event.timeline;
         let timeline = PyDict::new(py);
@@ -124,6 +125,17 @@ impl TransferEvent {
     }
 }
 
+/// 32 bits no other endpoint of this process, nor likely of any other, picks.
+fn unique_suffix() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    static CREATED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    // Relaxed: only the uniqueness of each value matters.
+    hasher.write_u64(CREATED.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    // Truncating is intended: 32 bits of a 64-bit hash.
+    hasher.finish() as u32
+}
+
 fn events(py: Python<'_>, events: Vec<Event>) -> PyResult<Vec<TransferEvent>> {
     events.into_iter().map(|e| TransferEvent::new(py, e)).collect()
 }
@@ -156,7 +168,8 @@ impl Endpoint {
         engine_id, layout, *, memory, transport = "nixl", agent_name = None, nixl_library = None,
         nixl_progress_thread = false, device = None, bind = "127.0.0.1:0", secret = None,
         compatibility = "",
-        write_timeout = 30.0, heartbeat_interval = 1.0, peer_timeout = 5.0, connect_timeout = 3.0
+        write_timeout = 10.0, heartbeat_interval = 1.0, peer_timeout = 5.0, connect_timeout = 3.0,
+        insecure = false, max_registrations_per_peer = 16_384
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -176,6 +189,8 @@ impl Endpoint {
         heartbeat_interval: f64,
         peer_timeout: f64,
         connect_timeout: f64,
+        insecure: bool,
+        max_registrations_per_peer: usize,
     ) -> PyResult<Self> {
         // A host name (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST defaults to "localhost") is resolved
         // here, once; the first address it resolves to is the one listened on.
@@ -196,8 +211,17 @@ impl Endpoint {
         config.heartbeat_interval = seconds(heartbeat_interval, "heartbeat_interval")?;
         config.peer_timeout = seconds(peer_timeout, "peer_timeout")?;
         config.connect_timeout = seconds(connect_timeout, "connect_timeout")?;
+        config.allow_insecure = insecure;
+        config.max_registrations_per_peer = max_registrations_per_peer;
+        // Unique per process and per endpoint: P counts its peers' agents by name, so two D
+        // replicas with one engine id, or a restarted D, must never share one.
         let name = agent_name.unwrap_or_else(|| {
-            format!("{engine_id}-tp{}-{}", layout.0.tp_rank, std::process::id())
+            format!(
+                "{engine_id}-tp{}-{}-{:08x}",
+                layout.0.tp_rank,
+                std::process::id(),
+                unique_suffix()
+            )
         });
         let endpoint = match transport {
             "loopback" => native(py, || {
@@ -352,7 +376,22 @@ impl Endpoint {
         out.set_item("refused_frames", stats.refused_frames)?;
         out.set_item("transport_errors", stats.transport_errors)?;
         out.set_item("stray_notifications", stats.stray_notifications)?;
+        out.set_item("refused_registrations", stats.refused_registrations)?;
+        out.set_item("purged_registrations", stats.purged_registrations)?;
+        out.set_item("quarantined_writes", stats.quarantined_writes)?;
+        out.set_item("lapsed_leases", stats.lapsed_leases)?;
         Ok(out)
+    }
+
+    /// None while healthy; else why the writer stopped or stalled (new work is refused).
+    fn health(&self) -> Option<String> {
+        self.0.health().err()
+    }
+
+    /// Seconds a D waits after losing this worker before it hands P's blocks back.
+    #[getter]
+    fn write_horizon(&self) -> f64 {
+        self.0.write_horizon().as_secs_f64()
     }
 
     /// Stops the writer and the side channel; pending transfers end with "failed". Idempotent.

@@ -97,6 +97,19 @@ create_exception!(
     "Unsigned, forged, replayed or too old, with a secret configured."
 );
 
+create_exception!(
+    kvpush.exceptions,
+    ConfigError,
+    KvPushError,
+    "A setting is out of range or unsafe (such as listening beyond loopback without a secret)."
+);
+create_exception!(
+    kvpush.exceptions,
+    UnhealthyError,
+    KvPushError,
+    "The endpoint's writer thread stopped or stalled: it takes on no new work."
+);
+
 /// Adds every exception class to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -116,6 +129,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("AuthenticationError", py.get_type::<AuthenticationError>())?;
     m.add("TransportError", py.get_type::<TransportError>())?;
     m.add("NixlUnavailableError", py.get_type::<NixlUnavailableError>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("UnhealthyError", py.get_type::<UnhealthyError>())?;
     Ok(())
 }
 
@@ -132,6 +147,10 @@ pub(crate) enum Error {
     },
     /// NIXL's library could not be loaded.
     NixlUnavailable(String),
+    /// A setting or argument is out of range or unsafe.
+    Config(String),
+    /// The endpoint stopped taking work.
+    Unhealthy(String),
 }
 
 impl From<kvpush_core::transport::TransportError> for Error {
@@ -161,6 +180,8 @@ impl From<kvpush_core::endpoint::EndpointError> for Error {
             E::Listen { .. } => Self::Transport { code: "listen", message: error.to_string() },
             E::Secret(_) => Self::Transport { code: "weak_secret", message: error.to_string() },
             E::Closed => Self::Transport { code: "closed", message: error.to_string() },
+            E::Invalid(_) => Self::Config(error.to_string()),
+            E::Unhealthy(_) => Self::Unhealthy(error.to_string()),
         }
     }
 }
@@ -225,6 +246,7 @@ impl From<Error> for PyErr {
                         E::Fenced { .. } => py.get_type::<FencedError>(),
                         E::TableFull { .. } => py.get_type::<TableFullError>(),
                         E::NotMatched { .. } => py.get_type::<NotMatchedError>(),
+                        E::Foreign { .. } => py.get_type::<RendezvousError>(),
                     }
                     .unbind()
                 });
@@ -237,6 +259,14 @@ impl From<Error> for PyErr {
             Error::NixlUnavailable(message) => {
                 let class = Python::attach(|py| py.get_type::<NixlUnavailableError>().unbind());
                 raise(class, &message, "nixl_unavailable", &[])
+            }
+            Error::Config(message) => {
+                let class = Python::attach(|py| py.get_type::<ConfigError>().unbind());
+                raise(class, &message, "config", &[])
+            }
+            Error::Unhealthy(message) => {
+                let class = Python::attach(|py| py.get_type::<UnhealthyError>().unbind());
+                raise(class, &message, "unhealthy", &[])
             }
         }
     }

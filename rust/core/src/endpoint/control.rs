@@ -3,14 +3,25 @@
 //!
 //! A registration goes straight into the rendezvous table here, on the network thread, so it
 //! never queues behind the writer; only a match (or a reply to send) is handed to the writer.
+//!
+//! Every registration belongs to the authenticated peer that made it (its [`Owner`]: D's engine
+//! id and process-unique agent name): no other peer can supersede or cancel it. Each connection
+//! holds at most `quota` registrations at once, counted by the [`Slot`] each one carries.
 
-use std::sync::Arc;
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
-use crate::protocol::{Fail, FailReason, Message, ProtocolError, Register, PROTOCOL_VERSION};
-use crate::rendezvous::{Arrival, Cancelled, FenceReason, RendezvousError};
+use crate::protocol::{
+    Fail, FailReason, Hello, Message, ProtocolError, Register, PROTOCOL_VERSION,
+};
+use crate::rendezvous::{Arrival, Cancelled, FenceReason, Owner, RendezvousError};
 use crate::side_channel::{ControlHandler, PeerId, PeerInfo};
+use crate::sync::lock;
 
 use super::writer::{Command, Registration};
 use super::{Counters, Shared};
@@ -18,31 +29,98 @@ use super::{Counters, Shared};
 /// Longest TTL a peer may ask the table to hold a registration for.
 const MAX_REGISTRATION_TTL: Duration = Duration::from_secs(3_600);
 
+/// One of a peer connection's registration slots, given back when the registration that holds
+/// it is dropped (matched and written, superseded, cancelled, expired or purged).
+#[derive(Debug)]
+pub(crate) struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // Relaxed: a quota counter; the registration itself is published by the table's lock.
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What P knows of a joined D connection.
+#[derive(Debug, Clone)]
+struct PeerEntry {
+    owner: Owner,
+    /// Registrations of this connection held now.
+    held: Arc<AtomicUsize>,
+}
+
 #[derive(Debug)]
 pub(crate) struct Control {
     shared: Arc<Shared>,
     compatibility: String,
+    quota: usize,
+    peers: Mutex<HashMap<PeerId, PeerEntry>>,
+}
+
+/// The owner of every registration a peer with this Hello makes.
+pub(crate) fn owner_of(hello: &Hello) -> Owner {
+    let mut hasher = DefaultHasher::new();
+    hello.engine_id.hash(&mut hasher);
+    hello.agent_name.hash(&mut hasher);
+    // 0 is the table's ANY_OWNER, which no peer may be.
+    hasher.finish().max(1)
 }
 
 impl Control {
-    pub(crate) fn new(shared: Arc<Shared>, compatibility: String) -> Self {
-        Self { shared, compatibility }
+    pub(crate) fn new(shared: Arc<Shared>, compatibility: String, quota: usize) -> Self {
+        Self { shared, compatibility, quota, peers: Mutex::new(HashMap::new()) }
+    }
+
+    fn refuse(&self, peer: PeerId, register: &Register, reason: FailReason, detail: String) {
+        Counters::add(&self.shared.counters.refused_registrations);
+        self.shared.send(Command::Fail {
+            peer,
+            fail: Fail {
+                transfer_key: register.transfer_key.clone(),
+                request_id: register.request_id.clone(),
+                epoch: register.epoch,
+                reason,
+                detail,
+            },
+        });
     }
 
     fn register(&self, peer: PeerId, register: Register) {
+        // Messages come only from joined peers, so the entry is there unless the peer was lost
+        // meanwhile; then its registration has nobody to be written to.
+        let Some(entry) = lock(&self.peers).get(&peer).cloned() else { return };
+        // Relaxed: see `Slot`.
+        if entry.held.fetch_add(1, Ordering::Relaxed) >= self.quota {
+            entry.held.fetch_sub(1, Ordering::Relaxed);
+            let detail = format!(
+                "transfer {}: this D connection already holds {} registrations on P; finish or \
+                 cancel some, or raise max_registrations_per_peer",
+                register.transfer_key, self.quota
+            );
+            self.refuse(peer, &register, FailReason::Refused, detail);
+            return;
+        }
+        let slot = Slot(Arc::clone(&entry.held));
         let now = Instant::now();
         let key = TransferKey::from_canonical(&register.transfer_key);
         let ttl = Duration::from_millis(register.ttl_ms).min(MAX_REGISTRATION_TTL);
         let epoch = register.epoch;
         // A refused registration is dropped by the table; keep what the reply needs.
-        let request_id = register.request_id.clone();
-        let registration = Registration { peer, register, at: now };
-        match self.shared.table.register(key, epoch, registration, now + ttl, now) {
+        let reply_to = Register { groups: Vec::new(), ..register.clone() };
+        let registration = Registration { peer, register, at: now, _slot: slot };
+        let arrival =
+            self.shared.table.register_owned(key, epoch, entry.owner, registration, now + ttl, now);
+        match arrival {
             Ok(Arrival::Matched(m)) => {
                 self.shared.send(Command::Write(m));
             }
             // A superseded registration needs no reply: D replaced it itself.
             Ok(Arrival::Waiting { .. }) => {}
+            // The same registration again (a retransmission, or a confused D): the one the table
+            // holds stands, and a FAIL for this epoch would end it on D.
+            Err(RendezvousError::StaleEpoch { current, .. }) if current == epoch => {
+                Counters::add(&self.shared.counters.refused_registrations);
+            }
             Err(error) => {
                 let reason = match &error {
                     RendezvousError::Fenced { reason: FenceReason::Cancelled, .. } => {
@@ -53,23 +131,16 @@ impl Control {
                     }
                     _ => FailReason::Refused,
                 };
-                self.shared.send(Command::Fail {
-                    peer,
-                    fail: Fail {
-                        transfer_key: error.key().as_str().to_owned(),
-                        request_id,
-                        epoch,
-                        reason,
-                        detail: error.to_string(),
-                    },
-                });
+                self.refuse(peer, &reply_to, reason, error.to_string());
             }
         }
     }
 
     fn cancel(&self, peer: PeerId, cancel: crate::protocol::Cancel) {
+        let Some(owner) = lock(&self.peers).get(&peer).map(|entry| entry.owner) else { return };
         let key = TransferKey::from_canonical(&cancel.transfer_key);
-        let outcome = self.shared.table.cancel(&key, Some(cancel.epoch), Instant::now());
+        let outcome =
+            self.shared.table.cancel_owned(&key, Some(cancel.epoch), Some(owner), Instant::now());
         let released = match outcome {
             // The in-flight write's `finish` acknowledges it.
             Cancelled::Deferred => return,
@@ -96,9 +167,13 @@ impl ControlHandler for Control {
                 hello.engine_id, hello.compatibility, self.compatibility
             ));
         }
+        self.shared.health()?;
+        let entry = PeerEntry { owner: owner_of(hello), held: Arc::new(AtomicUsize::new(0)) };
+        lock(&self.peers).insert(peer.id, entry);
         if self.shared.send(Command::PeerJoined(peer.clone())) {
             Ok(())
         } else {
+            lock(&self.peers).remove(&peer.id);
             Err("this worker is shutting down".to_owned())
         }
     }
@@ -114,10 +189,16 @@ impl ControlHandler for Control {
     }
 
     fn peer_lost(&self, peer: PeerId, reason: &str) {
-        self.shared.send(Command::PeerLost(peer, reason.to_owned()));
+        let at = Instant::now();
+        lock(&self.peers).remove(&peer);
+        self.shared.send(Command::PeerLost { peer, reason: reason.to_owned(), at });
     }
 
     fn refused(&self, _peer: Option<PeerId>, _error: &ProtocolError) {
         Counters::add(&self.shared.counters.refused_frames);
+    }
+
+    fn healthy(&self) -> Result<(), String> {
+        self.shared.health()
     }
 }

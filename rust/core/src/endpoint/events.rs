@@ -22,6 +22,9 @@ pub enum Outcome {
     /// P: nothing was written because D cancelled or the registration expired first.
     /// D: the cancel was confirmed by P (or P is gone).
     Cancelled(String),
+    /// A WRITE was abandoned but the transport could not release it, so it may still be
+    /// landing: the blocks on this side (P's source, D's destination) must never be reused.
+    Quarantined(String),
 }
 
 /// When things happened to one request, in seconds on the reporting endpoint's clock

@@ -26,9 +26,10 @@ mod events;
 mod writer;
 
 use std::net::SocketAddr;
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -62,14 +63,21 @@ pub struct EndpointConfig {
     pub secret: Option<Vec<u8>>,
     /// Rendezvous table sizing.
     pub table: TableConfig,
-    /// A posted write that is not done after this long is abandoned and reported failed.
+    /// A posted write that is not done after this long is abandoned: reported failed once the
+    /// transport released it, quarantined (its blocks held on both sides) when it cannot.
+    /// Default 10 s. Part of the write horizon this worker advertises.
     pub write_timeout: Duration,
     /// Side channel heartbeat period; a peer silent for `peer_timeout` is lost.
     pub heartbeat_interval: Duration,
-    /// See `heartbeat_interval`.
+    /// See `heartbeat_interval`. Also P's lease: P posts a WRITE only while D's latest proof of
+    /// life (its echo of one of P's heartbeats) is younger than this.
     pub peer_timeout: Duration,
     /// Longest wait for a side channel connection and handshake.
     pub connect_timeout: Duration,
+    /// Listen beyond loopback without a secret (see `SideChannelConfig::allow_insecure`).
+    pub allow_insecure: bool,
+    /// Most registrations one D connection may hold in P's table at once. Default 16,384.
+    pub max_registrations_per_peer: usize,
 }
 
 impl EndpointConfig {
@@ -83,13 +91,34 @@ impl EndpointConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             secret: None,
             table: TableConfig::default(),
-            write_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(10),
             heartbeat_interval: Duration::from_secs(1),
             peer_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
+            allow_insecure: false,
+            max_registrations_per_peer: 16_384,
         }
     }
+
+    /// How long after D's last proof of life this worker may still be writing into D: no WRITE
+    /// is posted later than `peer_timeout` (the lease) after the proof, none runs longer than
+    /// `write_timeout`, plus a margin for scheduling. Advertised in the Hello; D waits this long
+    /// after losing P before it hands P's destination blocks back.
+    pub fn write_horizon(&self) -> Duration {
+        self.peer_timeout.saturating_add(self.write_timeout).saturating_add(HORIZON_MARGIN)
+    }
 }
+
+/// Slack in the write horizon for the time between P's lease check and its post, and for clock
+/// rates that differ between hosts.
+const HORIZON_MARGIN: Duration = Duration::from_secs(1);
+
+/// Longest TTL a request may be given (P's hold on its KV, D's wait for it).
+pub const MAX_TTL: Duration = Duration::from_secs(24 * 3_600);
+
+/// A writer that has not come round its loop for this long (and at least `peer_timeout`) is
+/// reported stalled: the endpoint answers unhealthy and its connections close.
+const WRITER_STALL: Duration = Duration::from_secs(10);
 
 /// P's KV for one request is computed and may be written.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -158,6 +187,15 @@ pub enum EndpointError {
     /// The shared secret is unusable.
     #[error("the shared secret is unusable: {0}")]
     Secret(String),
+    /// An argument is out of range; the text names it and the range.
+    #[error("{0}")]
+    Invalid(String),
+    /// The writer thread stopped or stalled: nothing new is taken on.
+    #[error(
+        "the kvpush endpoint is unhealthy ({0}); pending transfers were failed; restart the \
+         worker"
+    )]
+    Unhealthy(String),
     /// The endpoint was closed.
     #[error("the kvpush endpoint is closed; create a new one")]
     Closed,
@@ -170,8 +208,17 @@ pub struct Counters {
     pub refused_frames: AtomicU64,
     /// Transport calls that failed outside any one write (e.g. receiving notifications).
     pub transport_errors: AtomicU64,
-    /// DONEs for requests D no longer awaits (cancelled, failed or re-registered).
+    /// DONEs for requests D no longer awaits (cancelled, failed or re-registered), or from an
+    /// agent D did not register with.
     pub stray_notifications: AtomicU64,
+    /// Registrations refused: another peer's key, over the peer's quota, or a duplicate.
+    pub refused_registrations: AtomicU64,
+    /// Registrations dropped because their peer was lost before P's KV was ready.
+    pub purged_registrations: AtomicU64,
+    /// Writes P abandoned but the transport could not release: their blocks stay held.
+    pub quarantined_writes: AtomicU64,
+    /// Writes not posted because D's proof of life had lapsed (its lease ran out).
+    pub lapsed_leases: AtomicU64,
 }
 
 impl Counters {
@@ -190,6 +237,14 @@ pub struct Stats {
     pub transport_errors: u64,
     /// See [`Counters::stray_notifications`].
     pub stray_notifications: u64,
+    /// See [`Counters::refused_registrations`].
+    pub refused_registrations: u64,
+    /// See [`Counters::purged_registrations`].
+    pub purged_registrations: u64,
+    /// See [`Counters::quarantined_writes`].
+    pub quarantined_writes: u64,
+    /// See [`Counters::lapsed_leases`].
+    pub lapsed_leases: u64,
 }
 
 /// State shared by the engine-facing calls, the side channel's handler and the writer.
@@ -200,12 +255,40 @@ pub(crate) struct Shared {
     /// The writer's inbox. `Sender` is `Sync`: every thread sends without a lock.
     pub(crate) inbox: Sender<Command>,
     pub(crate) origin: Instant,
+    /// Why the writer stopped for good (it panicked); set once.
+    pub(crate) dead: OnceLock<String>,
+    /// When the writer last came round its loop, in ms since `origin`.
+    pub(crate) writer_beat_ms: AtomicU64,
+    /// See [`WRITER_STALL`]: the stall threshold of this endpoint.
+    pub(crate) stall_after: Duration,
 }
 
 impl Shared {
     /// Hands `command` to the writer; false once the writer has stopped.
     pub(crate) fn send(&self, command: Command) -> bool {
         self.inbox.send(command).is_ok()
+    }
+
+    /// Milliseconds since `origin`.
+    pub(crate) fn millis(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// `Err(reason)` once the writer died or stalled.
+    pub(crate) fn health(&self) -> Result<(), String> {
+        if let Some(reason) = self.dead.get() {
+            return Err(reason.clone());
+        }
+        // Relaxed: a timestamp read on its own.
+        let beat = self.writer_beat_ms.load(Ordering::Relaxed);
+        let silent = Duration::from_millis(self.millis().saturating_sub(beat));
+        if silent > self.stall_after {
+            return Err(format!(
+                "the writer thread has not run for {:.1}s (stuck in a transport call?)",
+                silent.as_secs_f64()
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -216,6 +299,7 @@ pub struct Endpoint {
     events: Mutex<Receiver<Event>>,
     side_channel: Arc<SideChannel>,
     writer: Mutex<Option<JoinHandle<()>>>,
+    write_horizon: Duration,
 }
 
 impl Endpoint {
@@ -243,6 +327,9 @@ impl Endpoint {
             compatibility: config.compatibility.clone(),
             versions: vec![PROTOCOL_VERSION],
             memory: config.memory,
+            nonce: 0,
+            echo: 0,
+            write_horizon_ms: u64::try_from(config.write_horizon().as_millis()).unwrap_or(u64::MAX),
         };
         let (inbox, commands) = mpsc::channel();
         let (event_sink, events) = mpsc::channel();
@@ -251,8 +338,15 @@ impl Endpoint {
             inbox,
             origin: Instant::now(),
             counters: Counters::default(),
+            dead: OnceLock::new(),
+            writer_beat_ms: AtomicU64::new(0),
+            stall_after: WRITER_STALL.max(config.peer_timeout),
         });
-        let control = Arc::new(Control::new(Arc::clone(&shared), config.compatibility.clone()));
+        let control = Arc::new(Control::new(
+            Arc::clone(&shared),
+            config.compatibility.clone(),
+            config.max_registrations_per_peer,
+        ));
         let mut side_config = SideChannelConfig::new(
             config.bind,
             format!("{}/{}", config.engine_id, transport.name()),
@@ -261,10 +355,17 @@ impl Endpoint {
         side_config.heartbeat_interval = config.heartbeat_interval;
         side_config.peer_timeout = config.peer_timeout;
         side_config.connect_timeout = config.connect_timeout;
-        let side_channel = Arc::new(
-            SideChannel::start(side_config, hello, control)
-                .map_err(|source| EndpointError::Listen { addr: config.bind, source })?,
-        );
+        side_config.allow_insecure = config.allow_insecure;
+        let side_channel =
+            Arc::new(SideChannel::start(side_config, hello, control).map_err(|source| {
+                match source.kind() {
+                    // Refused by policy (no secret beyond loopback): the message says what to do.
+                    std::io::ErrorKind::PermissionDenied => {
+                        EndpointError::Invalid(source.to_string())
+                    }
+                    _ => EndpointError::Listen { addr: config.bind, source },
+                }
+            })?);
         let writer = Writer::new(
             &config,
             transport,
@@ -276,13 +377,14 @@ impl Endpoint {
         );
         let handle = thread::Builder::new()
             .name(format!("kvpush-writer-{}", config.engine_id))
-            .spawn(move || writer.run())
+            .spawn(move || watch(writer))
             .map_err(|e| EndpointError::Transport(TransportError::new("spawn writer", e)))?;
         Ok(Self {
             shared,
             events: Mutex::new(events),
             side_channel,
             writer: Mutex::new(Some(handle)),
+            write_horizon: config.write_horizon(),
         })
     }
 
@@ -295,6 +397,8 @@ impl Endpoint {
     ///
     /// An error means no write will happen (e.g. D cancelled first): free the blocks now.
     pub fn ready(&self, ready: ReadyKv) -> Result<(), EndpointError> {
+        self.shared.health().map_err(EndpointError::Unhealthy)?;
+        check_ttl(&ready.request_id, ready.ttl)?;
         let key = TransferKey::for_request(ready.transfer_id.as_deref(), &ready.request_id);
         let now = Instant::now();
         let deadline = now + ready.ttl;
@@ -333,6 +437,8 @@ impl Endpoint {
     /// D: register `expectation`'s blocks with P (connecting to it first if needed) and wait
     /// for the KV. Ends in a `Received`, `Failed` or `Cancelled` event.
     pub fn expect(&self, expectation: Expectation) -> Result<(), EndpointError> {
+        self.shared.health().map_err(EndpointError::Unhealthy)?;
+        check_ttl(&expectation.request_id, expectation.ttl)?;
         if self.shared.send(Command::Expect(expectation, Instant::now())) {
             Ok(())
         } else {
@@ -377,7 +483,23 @@ impl Endpoint {
             refused_frames: c.refused_frames.load(Ordering::Relaxed),
             transport_errors: c.transport_errors.load(Ordering::Relaxed),
             stray_notifications: c.stray_notifications.load(Ordering::Relaxed),
+            refused_registrations: c.refused_registrations.load(Ordering::Relaxed),
+            purged_registrations: c.purged_registrations.load(Ordering::Relaxed),
+            quarantined_writes: c.quarantined_writes.load(Ordering::Relaxed),
+            lapsed_leases: c.lapsed_leases.load(Ordering::Relaxed),
         }
+    }
+
+    /// `Err(reason)` once the writer thread died or stalled: its transfers were failed (D's once
+    /// their write horizons passed), its peers were disconnected, and new work is refused.
+    pub fn health(&self) -> Result<(), String> {
+        self.shared.health()
+    }
+
+    /// How long a D waits after losing this worker before handing its blocks back
+    /// ([`EndpointConfig::write_horizon`]), as advertised to peers.
+    pub fn write_horizon(&self) -> Duration {
+        self.write_horizon
     }
 
     /// Seconds since the endpoint started: the clock event timelines use.
@@ -395,6 +517,49 @@ impl Endpoint {
         }
         self.side_channel.close();
     }
+}
+
+/// Refuses a TTL the clock cannot add (or that no serving setup needs).
+fn check_ttl(request_id: &str, ttl: Duration) -> Result<(), EndpointError> {
+    if ttl > MAX_TTL {
+        return Err(EndpointError::Invalid(format!(
+            "request {request_id}: ttl {:.0}s exceeds the maximum of {}s; configure a shorter \
+             lease",
+            ttl.as_secs_f64(),
+            MAX_TTL.as_secs()
+        )));
+    }
+    Ok(())
+}
+
+/// The writer thread's body: runs the writer, and if it panics, fails everything it held, so
+/// that no request hangs on a thread that is gone.
+fn watch<T: Transport>(mut writer: Writer<T>) {
+    let run = panic::catch_unwind(AssertUnwindSafe(|| writer.run()));
+    let reason = match run {
+        Ok(()) => None,
+        Err(panic) => Some(format!("the writer thread panicked: {}", panic_text(&*panic))),
+    };
+    // A panic while failing (state left half-updated) must not go unnoticed either: the health
+    // reason is set first, so the endpoint is unhealthy whatever happens next.
+    let ending = panic::catch_unwind(AssertUnwindSafe(|| match reason {
+        None => writer.shut_down(),
+        Some(reason) => writer.die(reason),
+    }));
+    if let Err(panic) = ending {
+        writer.mark_dead(format!(
+            "the writer thread panicked while stopping: {}",
+            panic_text(&*panic)
+        ));
+    }
+}
+
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|text| (*text).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string payload".to_owned())
 }
 
 impl Drop for Endpoint {

@@ -6,6 +6,23 @@
 //! its inbox for up to `IDLE_POLL` while the table holds a half or a command came recently, and
 //! for up to `QUIET_POLL` once nothing has happened for `SETTLE`: an idle endpoint costs next to
 //! no CPU (a few wake-ups a second), while a new command still wakes it at once.
+//!
+//! # The fence
+//!
+//! No byte may land in D's blocks once D reported their receive failed (vLLM then frees or
+//! reuses them). The writer keeps that on both sides:
+//!
+//! - P posts a WRITE only while D's latest proof of life (the side channel's
+//!   [`SideChannel::proof_age`]: D echoed a heartbeat P sent that recently) is younger than the
+//!   lease (`peer_timeout`), and abandons a WRITE not done within `write_timeout`. A WRITE the
+//!   transport cannot release is *quarantined*: P keeps its source blocks for good and tells D,
+//!   which keeps its blocks too (both counted, reported as `Quarantined`).
+//! - D ends a receive without P's word (FAIL, CANCEL_ACK, DONE) only once P's advertised write
+//!   horizon (lease + write timeout + margin) has passed since D stopped proving it is alive,
+//!   i.e. since its connection to P closed. A lost connection is not proof that P stopped.
+//! - P drops a lost peer's registrations at once, and refuses to post for a peer it no longer
+//!   has; a reconnect never tears down the NIXL agent the new connection uses (agents are
+//!   reference-counted by name, and names are unique per process).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -17,13 +34,14 @@ use crate::key::TransferKey;
 use crate::layout::KvLayout;
 use crate::planner::{BlockList, PlanRequest, Planner};
 use crate::protocol::{
-    unix_millis, Cancel, CancelAck, Decoder, Done, Encoder, Fail, FailReason, Limits, Message,
-    Register, Secret,
+    unix_millis, Cancel, CancelAck, Decoder, Done, Encoder, Fail, FailReason, Hello, Limits,
+    Message, Register, Secret,
 };
 use crate::rendezvous::{Match, Outcome as TableOutcome, RendezvousError};
 use crate::side_channel::{PeerId, PeerInfo, SideChannel};
 use crate::transport::{MemorySpace, Notification, Transport, WriteId, WriteState};
 
+use super::control::Slot;
 use super::events::{Event, Outcome, Role, Timeline};
 use super::{Counters, EndpointConfig, Expectation, ReadyKv, Shared};
 
@@ -43,6 +61,9 @@ const QUIET_POLL: Duration = Duration::from_millis(500);
 const DEADLINE_CHECK: Duration = Duration::from_millis(10);
 /// How long a closing writer lets in-flight writes finish before abandoning them.
 const DRAIN_ON_CLOSE: Duration = Duration::from_secs(2);
+/// The horizon D assumes for a P whose Hello advertised none (0), and the most it believes: a
+/// P cannot make D hold blocks for longer than this after losing it.
+const MAX_HORIZON: Duration = Duration::from_secs(600);
 
 /// D's registration as P's table holds it.
 #[derive(Debug)]
@@ -53,6 +74,8 @@ pub(crate) struct Registration {
     pub(crate) register: Register,
     /// When it arrived.
     pub(crate) at: Instant,
+    /// The peer's quota slot it holds until dropped.
+    pub(crate) _slot: Slot,
 }
 
 impl Registration {
@@ -92,8 +115,8 @@ pub(crate) enum Command {
     Connected { source: String, result: Result<PeerInfo, String> },
     /// A peer finished its handshake.
     PeerJoined(PeerInfo),
-    /// A peer is gone.
-    PeerLost(PeerId, String),
+    /// A peer is gone: its connection closed at `at`.
+    PeerLost { peer: PeerId, reason: String, at: Instant },
     /// A control message for the writer (FAIL, CANCEL_ACK, ERROR on D).
     FromPeer(PeerId, Message),
     /// Close: finish or abandon what is in flight, fail what is pending, exit.
@@ -103,12 +126,16 @@ pub(crate) enum Command {
 /// A peer as the writer knows it.
 #[derive(Debug)]
 struct Peer {
-    /// The transport's name for the peer, once its metadata loaded.
+    /// The peer's agent name, from its Hello (what its notifications are sent as).
+    name: String,
+    /// P: the transport's name for the peer once its metadata loaded (a use of `agents`).
     agent: Result<String, String>,
     /// P: how to write into this peer (D), or why it cannot be written to.
     planner: Result<Planner, String>,
     /// Where the peer's KV cache lives.
     memory: MemorySpace,
+    /// D: how long after losing this P it may still be writing (its advertised horizon).
+    horizon: Duration,
 }
 
 /// P: a posted WRITE.
@@ -123,6 +150,8 @@ struct InFlight {
     posted: Instant,
     bytes: u64,
     runs: u32,
+    /// The transport agent written to (the write holds one use of it).
+    agent: String,
 }
 
 /// D: a request awaiting its KV.
@@ -132,6 +161,8 @@ struct Awaited {
     key: TransferKey,
     /// The P connection the registration went to (None while connecting).
     peer: Option<PeerId>,
+    /// The agent name of that P: a DONE from any other agent is not ours.
+    source_agent: Option<String>,
     /// P agents whose DONE arrived.
     done_from: HashSet<String>,
     bytes: u64,
@@ -140,6 +171,11 @@ struct Awaited {
     registered: Instant,
     /// A CANCEL was sent (with the outcome to report once P acknowledges).
     cancelling: Option<Outcome>,
+    /// When P must have acknowledged the CANCEL; past it D drops the connection (so that P's
+    /// lease runs out) and waits out the horizon.
+    cancel_deadline: Option<Instant>,
+    /// P is unreachable: the outcome to report, and when no write of P's can land any more.
+    fenced: Option<(Instant, Outcome)>,
 }
 
 /// D: a side channel connection to a P, by its address.
@@ -156,12 +192,19 @@ pub(crate) struct Writer<T: Transport> {
     memory: MemorySpace,
     engine_id: String,
     write_timeout: Duration,
+    /// P posts only while D's proof of life is younger than this (`peer_timeout`).
+    lease: Duration,
     shared: Arc<Shared>,
     side_channel: Arc<SideChannel>,
     commands: Receiver<Command>,
     events: Sender<Event>,
     peers: HashMap<PeerId, Peer>,
+    /// P: transport agents by name, with how many peers and writes use each: a reconnected D's
+    /// new connection shares its agent with the old one until the old one's uses end.
+    agents: HashMap<String, usize>,
     in_flight: Vec<InFlight>,
+    /// P: writes abandoned that the transport could not release: their blocks stay held.
+    quarantined: Vec<InFlight>,
     awaited: HashMap<String, Awaited>,
     sources: HashMap<String, Source>,
     connect_requests: Option<Sender<String>>,
@@ -200,13 +243,16 @@ impl<T: Transport> Writer<T> {
             memory: config.memory,
             engine_id: config.engine_id.clone(),
             write_timeout: config.write_timeout,
+            lease: config.peer_timeout,
             transport,
             shared,
             side_channel,
             commands,
             events,
             peers: HashMap::new(),
+            agents: HashMap::new(),
             in_flight: Vec::new(),
+            quarantined: Vec::new(),
             awaited: HashMap::new(),
             sources: HashMap::new(),
             connect_requests: None,
@@ -219,9 +265,11 @@ impl<T: Transport> Writer<T> {
         }
     }
 
-    /// The thread body: runs until `Stop` (or every sender is gone), then cleans up.
-    pub(crate) fn run(mut self) {
+    /// The thread body: runs until `Stop` (or every sender is gone). The caller then calls
+    /// [`shut_down`](Self::shut_down) (or [`die`](Self::die) if this panicked).
+    pub(crate) fn run(&mut self) {
         loop {
+            self.beat();
             let mut stop = match self.commands.recv_timeout(self.poll_period()) {
                 Ok(command) => {
                     self.last_command = Instant::now();
@@ -246,12 +294,19 @@ impl<T: Transport> Writer<T> {
                 self.check_deadlines();
             }
         }
-        self.shut_down();
+    }
+
+    /// Tells the watchdog (`Shared::health`) the writer is still coming round its loop.
+    fn beat(&self) {
+        // Relaxed: a timestamp read on its own.
+        self.shared
+            .writer_beat_ms
+            .store(self.shared.millis(), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// How long the next wait on the inbox may last (see the module docs).
     fn poll_period(&self) -> Duration {
-        if !self.in_flight.is_empty() || !self.awaited.is_empty() {
+        if !self.in_flight.is_empty() || self.awaited.values().any(|a| a.fenced.is_none()) {
             BUSY_POLL
         } else if !self.shared.table.is_empty() || self.last_command.elapsed() < SETTLE {
             IDLE_POLL
@@ -287,7 +342,7 @@ impl<T: Transport> Writer<T> {
             Command::CancelExpectation(request_id) => self.cancel_expectation(&request_id),
             Command::Connected { source, result } => self.connected(source, result),
             Command::PeerJoined(info) => self.peer_joined(info),
-            Command::PeerLost(peer, reason) => self.peer_lost(peer, &reason),
+            Command::PeerLost { peer, reason, at } => self.peer_lost(peer, &reason, at),
             Command::FromPeer(peer, message) => self.peer_message(peer, message),
             Command::Stop => return true,
         }
@@ -311,11 +366,53 @@ impl<T: Transport> Writer<T> {
     // ---- P: writing -----------------------------------------------------------------------
 
     fn peer_joined(&mut self, info: PeerInfo) {
-        let agent = self.transport.add_peer(&info.hello.agent_metadata).map_err(|e| e.to_string());
-        let planner = Planner::new(self.layout.clone(), info.hello.layout.clone())
-            .map_err(|e| format!("cannot write into {}: {e}", info.hello.engine_id));
-        let memory = info.hello.memory;
-        self.peers.insert(info.id, Peer { agent, planner, memory });
+        let hello = &info.hello;
+        // Only P loads its peers' agents: D never writes, so P's Hello carries no metadata and D
+        // has nothing to load.
+        let agent = if hello.agent_metadata.is_empty() {
+            Err(format!("peer {} sent no agent metadata: it cannot be written to", hello.engine_id))
+        } else {
+            self.use_agent(hello)
+        };
+        let planner = Planner::new(self.layout.clone(), hello.layout.clone())
+            .map_err(|e| format!("cannot write into {}: {e}", hello.engine_id));
+        let horizon = match hello.write_horizon_ms {
+            0 => MAX_HORIZON,
+            ms => Duration::from_millis(ms).min(MAX_HORIZON),
+        };
+        let peer =
+            Peer { name: hello.agent_name.clone(), agent, planner, memory: hello.memory, horizon };
+        self.peers.insert(info.id, peer);
+    }
+
+    /// One more use of the peer's transport agent, loading it on first use.
+    fn use_agent(&mut self, hello: &Hello) -> Result<String, String> {
+        if let Some(uses) = self.agents.get_mut(&hello.agent_name) {
+            *uses += 1;
+            return Ok(hello.agent_name.clone());
+        }
+        let name = self.transport.add_peer(&hello.agent_metadata).map_err(|e| e.to_string())?;
+        if name != hello.agent_name {
+            if !self.agents.contains_key(&name) {
+                let _ = self.transport.remove_peer(&name);
+            }
+            return Err(format!(
+                "peer {}'s agent metadata names agent {name:?} but its hello says {:?}",
+                hello.engine_id, hello.agent_name
+            ));
+        }
+        self.agents.insert(name.clone(), 1);
+        Ok(name)
+    }
+
+    /// One use of `agent` ended; the last one forgets it.
+    fn release_agent(&mut self, agent: &str) {
+        let Some(uses) = self.agents.get_mut(agent) else { return };
+        *uses -= 1;
+        if *uses == 0 {
+            self.agents.remove(agent);
+            let _ = self.transport.remove_peer(agent);
+        }
     }
 
     fn report_send(
@@ -362,7 +459,7 @@ impl<T: Transport> Writer<T> {
             return;
         }
         match self.post(&key, &registration, &ready) {
-            Ok((write, bytes, runs)) => self.in_flight.push(InFlight {
+            Ok((write, bytes, runs, agent)) => self.in_flight.push(InFlight {
                 write,
                 key,
                 epoch,
@@ -372,6 +469,7 @@ impl<T: Transport> Writer<T> {
                 posted: Instant::now(),
                 bytes,
                 runs,
+                agent,
             }),
             Err((reason, detail)) => {
                 let outcome = TableOutcome::Failed(detail.clone());
@@ -391,7 +489,10 @@ impl<T: Transport> Writer<T> {
         key: &TransferKey,
         registration: &Registration,
         ready: &Ready,
-    ) -> Result<(WriteId, u64, u32), (FailReason, String)> {
+    ) -> Result<(WriteId, u64, u32, String), (FailReason, String)> {
+        if let Some(reason) = self.shared.dead.get() {
+            return Err((FailReason::ShuttingDown, format!("transfer {key}: {reason}")));
+        }
         let peer = self.peers.get(&registration.peer).ok_or_else(|| {
             (FailReason::Refused, format!("D's connection for transfer {key} is gone"))
         })?;
@@ -437,11 +538,31 @@ impl<T: Transport> Writer<T> {
         });
         let notification = self.notifications.encode(&done, unix_millis());
         let remote = peer.memory;
+        // The lease, checked last, right before the post: D may have given these blocks up
+        // once its proof of life is older than the lease (it then waits out our horizon).
+        match self.side_channel.proof_age(registration.peer) {
+            Some(age) if age < self.lease => {}
+            age => {
+                Counters::add(&self.shared.counters.lapsed_leases);
+                let age = age.map_or_else(|| "none".to_owned(), |age| format!("{age:.1?} old"));
+                return Err((
+                    FailReason::Refused,
+                    format!(
+                        "transfer {key}: D's last proof of life is {age}, past P's lease of \
+                         {:?}; not writing into blocks D may have given up (is the link between \
+                         P and D partitioned?)",
+                        self.lease
+                    ),
+                ));
+            }
+        }
         let write = self
             .transport
             .post_write(agent, &plan.runs, self.memory, remote, &notification)
             .map_err(|e| (FailReason::WriteError, format!("transfer {key}: {e}")))?;
-        Ok((write, plan.stats.bytes, runs))
+        let agent = agent.clone();
+        *self.agents.entry(agent.clone()).or_insert(0) += 1;
+        Ok((write, plan.stats.bytes, runs, agent))
     }
 
     fn poll_writes(&mut self) {
@@ -455,8 +576,10 @@ impl<T: Transport> Writer<T> {
                     continue;
                 }
                 Ok(WriteState::InProgress) => {
-                    self.transport.abandon_write(self.in_flight[i].write);
-                    Err(format!("write not done after {:?}; abandoned", self.write_timeout))
+                    let w = self.in_flight.swap_remove(i);
+                    let reason = format!("write not done after {:?}", self.write_timeout);
+                    self.abandon(w, &reason);
+                    continue;
                 }
                 Ok(WriteState::Done) => Ok(()),
                 Err(e) => Err(e.to_string()),
@@ -466,8 +589,44 @@ impl<T: Transport> Writer<T> {
         }
     }
 
+    /// Gives up on a write: failed once the transport released it, quarantined if it could not.
+    fn abandon(&mut self, w: InFlight, reason: &str) {
+        if self.transport.abandon_write(w.write) {
+            self.finish(w, Err(format!("{reason}; abandoned")));
+        } else {
+            self.quarantine(w, reason);
+        }
+    }
+
+    /// A write the transport could not stop may still be moving bytes: neither side's blocks may
+    /// be reused, ever. P's event says so (the engine keeps its source blocks), and so does D's
+    /// FAIL (D keeps its destination blocks). The write's agent use is never given back.
+    fn quarantine(&mut self, w: InFlight, reason: &str) {
+        Counters::add(&self.shared.counters.quarantined_writes);
+        let detail = format!(
+            "transfer {}: {reason}, and the transport could not release the WRITE, which may \
+             still be landing: P keeps its source blocks and D must keep its destination \
+             blocks (quarantined)",
+            w.key
+        );
+        self.send(
+            w.registration.peer,
+            Message::Fail(w.registration.fail(FailReason::Quarantined, detail.clone())),
+        );
+        let now = Instant::now();
+        let finished =
+            self.shared.table.finish(&w.key, w.epoch, TableOutcome::Failed(detail.clone()), now);
+        self.report_send(&w.ready, w.key.as_str(), Outcome::Quarantined(detail), Some((&w, now)));
+        // A re-registration during the write is into other blocks: serve it.
+        if let Some(m) = finished.ok().and_then(|finished| finished.rematch) {
+            self.write(m);
+        }
+        self.quarantined.push(w);
+    }
+
     fn finish(&mut self, w: InFlight, result: Result<(), String>) {
         let now = Instant::now();
+        self.release_agent(&w.agent.clone());
         let outcome = match &result {
             Ok(()) => TableOutcome::Done,
             Err(e) => TableOutcome::Failed(e.clone()),
@@ -516,11 +675,14 @@ impl<T: Transport> Writer<T> {
             expectation,
             key,
             peer: None,
+            source_agent: None,
             done_from: HashSet::new(),
             bytes: 0,
             runs: 0,
             registered: at,
             cancelling: None,
+            cancel_deadline: None,
+            fenced: None,
         };
         // A re-registration (higher epoch) replaces the old wait; P supersedes the old one.
         self.awaited.insert(request_id.clone(), awaited);
@@ -596,8 +758,10 @@ impl<T: Transport> Writer<T> {
     }
 
     fn register_with(&mut self, peer: PeerId, request_id: &str) {
+        let source_agent = self.peers.get(&peer).map(|p| p.name.clone());
         let Some(awaited) = self.awaited.get_mut(request_id) else { return };
         awaited.peer = Some(peer);
+        awaited.source_agent = source_agent;
         let e = &awaited.expectation;
         let ttl_ms =
             u64::try_from(awaited.deadline.saturating_duration_since(Instant::now()).as_millis())
@@ -615,26 +779,46 @@ impl<T: Transport> Writer<T> {
             ttl_ms,
         };
         if let Err(error) = self.side_channel.send(peer, &Message::Register(register)) {
+            // The frame did not go out whole, so P refuses it: nothing can be written.
             let detail = format!("cannot register with P: {error}");
             self.end_receive(request_id, Outcome::Failed(detail));
         }
     }
 
-    fn cancel_expectation(&mut self, request_id: &str) {
+    /// The horizon of the P behind `peer` (the longest one when it is unknown).
+    fn horizon(&self, peer: PeerId) -> Duration {
+        self.peers.get(&peer).map_or(MAX_HORIZON, |p| p.horizon)
+    }
+
+    /// Sends P a CANCEL for `request_id`, to report `outcome` once P acknowledged it.
+    fn send_cancel(&mut self, request_id: &str, outcome: Outcome) {
+        let Some(peer) = self.awaited.get(request_id).and_then(|a| a.peer) else { return };
+        let deadline = Instant::now() + self.horizon(peer);
         let Some(awaited) = self.awaited.get_mut(request_id) else { return };
+        if let Some((_, fenced)) = &mut awaited.fenced {
+            // P is unreachable already: the horizon ends it; report the cancel then.
+            if !matches!(fenced, Outcome::Quarantined(_)) {
+                *fenced = outcome;
+            }
+            return;
+        }
+        awaited.cancelling = Some(outcome);
+        awaited.cancel_deadline = Some(deadline);
+        let cancel = Cancel {
+            transfer_key: awaited.key.as_str().to_owned(),
+            request_id: request_id.to_owned(),
+            epoch: awaited.expectation.epoch,
+        };
+        self.send(peer, Message::Cancel(cancel));
+    }
+
+    fn cancel_expectation(&mut self, request_id: &str) {
+        let Some(awaited) = self.awaited.get(request_id) else { return };
         let outcome = Outcome::Cancelled(format!("request {request_id} cancelled by D"));
         match awaited.peer {
             // Nothing was registered yet, so nothing can be written.
             None => self.end_receive(request_id, outcome),
-            Some(peer) => {
-                awaited.cancelling = Some(outcome);
-                let cancel = Cancel {
-                    transfer_key: awaited.key.as_str().to_owned(),
-                    request_id: request_id.to_owned(),
-                    epoch: awaited.expectation.epoch,
-                };
-                self.send(peer, Message::Cancel(cancel));
-            }
+            Some(_) => self.send_cancel(request_id, outcome),
         }
     }
 
@@ -677,12 +861,18 @@ impl<T: Transport> Writer<T> {
     }
 
     fn done(&mut self, from: &str, done: Done) {
-        let awaited = self
-            .awaited
-            .get_mut(&done.request_id)
-            .filter(|a| a.key.as_str() == done.transfer_key && a.expectation.epoch == done.epoch);
+        let known_agent = self.peers.values().any(|p| p.name == from);
+        let awaited = self.awaited.get_mut(&done.request_id).filter(|a| {
+            let from_source = if a.expectation.sources == 1 {
+                a.source_agent.as_deref() == Some(from)
+            } else {
+                a.source_agent.as_deref() == Some(from) || known_agent
+            };
+            from_source && a.key.as_str() == done.transfer_key && a.expectation.epoch == done.epoch
+        });
         let Some(awaited) = awaited else {
-            // Ended already, or an older epoch's write into blocks D has since re-registered.
+            // Ended already, an older epoch's write into blocks D has since re-registered, or
+            // from an agent D did not register with.
             Counters::add(&self.shared.counters.stray_notifications);
             return;
         };
@@ -692,10 +882,12 @@ impl<T: Transport> Writer<T> {
         }
         let complete = awaited.done_from.len() >= awaited.expectation.sources as usize;
         if complete {
-            let outcome = match awaited.cancelling.take() {
+            let outcome = match (awaited.cancelling.take(), awaited.fenced.take()) {
                 // The write beat the cancel: the KV is here, but D no longer wants it.
-                Some(cancelled) => cancelled,
-                None => Outcome::Done,
+                (Some(cancelled), _) | (None, Some((_, cancelled @ Outcome::Cancelled(_)))) => {
+                    cancelled
+                }
+                _ => Outcome::Done,
             };
             let request_id = done.request_id;
             self.end_receive(&request_id, outcome);
@@ -705,22 +897,21 @@ impl<T: Transport> Writer<T> {
     fn peer_message(&mut self, peer: PeerId, message: Message) {
         match message {
             Message::Fail(fail) => {
-                let ours = self
+                let Some(awaited) = self
                     .awaited
-                    .get(&fail.request_id)
-                    .is_some_and(|a| a.peer == Some(peer) && a.expectation.epoch == fail.epoch);
-                if ours {
-                    let detail = format!("P: {} ({})", fail.detail, fail.reason.as_str());
-                    let outcome = match self
-                        .awaited
-                        .get_mut(&fail.request_id)
-                        .and_then(|a| a.cancelling.take())
-                    {
-                        Some(cancelled) => cancelled,
-                        None => Outcome::Failed(detail),
-                    };
-                    self.end_receive(&fail.request_id, outcome);
-                }
+                    .get_mut(&fail.request_id)
+                    .filter(|a| a.peer == Some(peer) && a.expectation.epoch == fail.epoch)
+                else {
+                    return;
+                };
+                let detail = format!("P: {} ({})", fail.detail, fail.reason.as_str());
+                let outcome = match (fail.reason, awaited.cancelling.take()) {
+                    // P's WRITE may still be landing: whatever D wanted, the blocks stay held.
+                    (FailReason::Quarantined, _) => Outcome::Quarantined(detail),
+                    (_, Some(cancelled)) => cancelled,
+                    (_, None) => Outcome::Failed(detail),
+                };
+                self.end_receive(&fail.request_id, outcome);
             }
             Message::CancelAck(ack) => {
                 let cancelled = self
@@ -737,26 +928,32 @@ impl<T: Transport> Writer<T> {
         }
     }
 
-    fn peer_lost(&mut self, peer: PeerId, reason: &str) {
-        if let Some(lost) = self.peers.remove(&peer) {
-            if let Ok(agent) = &lost.agent {
-                let _ = self.transport.remove_peer(agent);
-            }
+    fn peer_lost(&mut self, peer: PeerId, reason: &str, at: Instant) {
+        let lost = self.peers.remove(&peer);
+        let horizon = lost.as_ref().map_or(MAX_HORIZON, |p| p.horizon);
+        if let Some(Ok(agent)) = lost.map(|p| p.agent) {
+            self.release_agent(&agent);
+        }
+        // P: nothing may be written to a lost peer; its waiting registrations go now.
+        let purged = self.shared.table.purge(|r: &Registration| r.peer == peer, Instant::now());
+        for _ in &purged {
+            Counters::add(&self.shared.counters.purged_registrations);
         }
         self.sources.retain(|_, source| !matches!(source, Source::Connected(p) if *p == peer));
-        let orphans: Vec<String> = self
-            .awaited
-            .iter()
-            .filter(|(_, a)| a.peer == Some(peer))
-            .map(|(id, _)| id.clone())
-            .collect();
-        for request_id in orphans {
-            let outcome = match self.awaited.get_mut(&request_id).and_then(|a| a.cancelling.take())
-            {
-                Some(cancelled) => cancelled,
-                None => Outcome::Failed(format!("lost P: {reason}")),
-            };
-            self.end_receive(&request_id, outcome);
+        // D: a lost connection is not proof that P stopped. P writes only while our proof of
+        // life is fresh, and we stopped giving it when the connection closed, at `at`.
+        for (request_id, awaited) in &mut self.awaited {
+            if awaited.peer != Some(peer) || awaited.fenced.is_some() {
+                continue;
+            }
+            let outcome = awaited.cancelling.take().unwrap_or_else(|| {
+                Outcome::Failed(format!(
+                    "lost P for request {request_id}: {reason}; reported once P's write horizon \
+                     ({horizon:.1?}) had passed, so no write of P's can still land"
+                ))
+            });
+            awaited.cancel_deadline = None;
+            awaited.fenced = Some((at + horizon, outcome));
         }
     }
 
@@ -777,41 +974,149 @@ impl<T: Transport> Writer<T> {
                 self.report_send(&ready, expired.key.as_str(), Outcome::Cancelled(reason), None);
             }
         }
-        let late: Vec<String> = self
-            .awaited
-            .iter()
-            .filter(|(_, a)| a.deadline <= now && a.cancelling.is_none())
-            .map(|(id, _)| id.clone())
-            .collect();
+        if self.awaited.is_empty() {
+            return;
+        }
+        let mut late = Vec::new();
+        let mut fenced_out = Vec::new();
+        let mut unacknowledged = Vec::new();
+        for (request_id, awaited) in &mut self.awaited {
+            match (&awaited.fenced, awaited.cancelling.is_some()) {
+                (Some((until, _)), _) if *until <= now => fenced_out.push(request_id.clone()),
+                (Some(_), _) => {}
+                (None, false) if awaited.deadline <= now => late.push(request_id.clone()),
+                (None, true) if awaited.cancel_deadline.is_some_and(|d| d <= now) => {
+                    awaited.cancel_deadline = None;
+                    unacknowledged.extend(awaited.peer);
+                }
+                (None, _) => {}
+            }
+        }
+        for request_id in fenced_out {
+            if let Some((_, outcome)) =
+                self.awaited.get_mut(&request_id).and_then(|a| a.fenced.take())
+            {
+                self.end_receive(&request_id, outcome);
+            }
+        }
+        // P did not answer a CANCEL within its horizon: stop proving we are alive to it, so that
+        // its lease runs out; the horizon then runs from the disconnect (see `peer_lost`).
+        for peer in unacknowledged {
+            self.side_channel.disconnect(peer);
+        }
         for request_id in late {
-            let Some(awaited) = self.awaited.get_mut(&request_id) else { continue };
+            let Some(awaited) = self.awaited.get(&request_id) else { continue };
             let detail =
                 format!("no KV for request {request_id} within {:?}", awaited.expectation.ttl);
             match awaited.peer {
                 None => self.end_receive(&request_id, Outcome::Failed(detail)),
-                Some(peer) => {
-                    // Free nothing until P confirms no write can land (or is gone).
-                    awaited.cancelling = Some(Outcome::Failed(detail));
-                    let cancel = Cancel {
-                        transfer_key: awaited.key.as_str().to_owned(),
-                        request_id: request_id.clone(),
-                        epoch: awaited.expectation.epoch,
-                    };
-                    self.send(peer, Message::Cancel(cancel));
-                }
+                // Free nothing until P confirms no write can land (or its horizon passed).
+                Some(_) => self.send_cancel(&request_id, Outcome::Failed(detail)),
             }
         }
     }
 
-    fn shut_down(mut self) {
+    /// The writer stopped for good: marks the endpoint unhealthy (new work is refused).
+    pub(crate) fn mark_dead(&self, reason: String) {
+        let _ = self.shared.dead.set(reason);
+    }
+
+    /// The writer's loop panicked: fail everything at once, as far as the fence allows. P's
+    /// writes are abandoned (or quarantined) and its table emptied; D's receives end as their
+    /// P's horizon passes after the disconnect. Peers are disconnected so they stop waiting.
+    pub(crate) fn die(&mut self, reason: String) {
+        self.mark_dead(reason.clone());
+        let at = Instant::now();
+        for peer in self.side_channel.peers() {
+            self.side_channel.disconnect(peer.id);
+        }
+        for w in std::mem::take(&mut self.in_flight) {
+            self.abandon(w, &reason);
+        }
+        // Everything left in the table ends: expire it as of the far future.
+        let far = at.checked_add(MAX_TTL_OF_ALL).unwrap_or(at);
+        for expired in self.shared.table.expire(far) {
+            if let Some((_, registration)) = expired.registration {
+                let fail = registration.fail(FailReason::ShuttingDown, reason.clone());
+                self.send(registration.peer, Message::Fail(fail));
+            }
+            if let Some(ready) = expired.ready {
+                self.report_send(
+                    &ready,
+                    expired.key.as_str(),
+                    Outcome::Failed(reason.clone()),
+                    None,
+                );
+            }
+        }
+        let ids: Vec<String> = self.awaited.keys().cloned().collect();
+        for request_id in ids {
+            let Some(awaited) = self.awaited.get(&request_id) else { continue };
+            let Some(peer) = awaited.peer else {
+                self.end_receive(&request_id, Outcome::Failed(reason.clone()));
+                continue;
+            };
+            let until = at + self.horizon(peer);
+            if let Some(awaited) = self.awaited.get_mut(&request_id) {
+                if awaited.fenced.is_none() {
+                    let outcome = awaited.cancelling.take().unwrap_or_else(|| {
+                        Outcome::Failed(format!("{reason}; reported after P's write horizon"))
+                    });
+                    awaited.fenced = Some((until, outcome));
+                }
+            }
+        }
+        // Wait out the horizons (or a close), reporting each receive as its horizon passes.
+        while let Some(next) =
+            self.awaited.values().filter_map(|a| a.fenced.as_ref().map(|f| f.0)).min()
+        {
+            let wait = next.saturating_duration_since(Instant::now()).min(QUIET_POLL);
+            match self.commands.recv_timeout(wait) {
+                Ok(Command::Stop) | Err(RecvTimeoutError::Disconnected) => break,
+                Ok(Command::Expect(expectation, _)) => {
+                    let detail = format!("request {}: {reason}", expectation.request_id);
+                    self.awaited.remove(&expectation.request_id);
+                    self.emit(Event {
+                        role: Role::Receive,
+                        key: TransferKey::for_request(
+                            expectation.transfer_id.as_deref(),
+                            &expectation.request_id,
+                        ),
+                        request_id: expectation.request_id,
+                        outcome: Outcome::Failed(detail),
+                        bytes: 0,
+                        runs: 0,
+                        timeline: Timeline::default(),
+                    });
+                }
+                Ok(_) | Err(RecvTimeoutError::Timeout) => {}
+            }
+            let now = Instant::now();
+            let due: Vec<String> = self
+                .awaited
+                .iter()
+                .filter(|(_, a)| a.fenced.as_ref().is_some_and(|(until, _)| *until <= now))
+                .map(|(id, _)| id.clone())
+                .collect();
+            for request_id in due {
+                if let Some((_, outcome)) =
+                    self.awaited.get_mut(&request_id).and_then(|a| a.fenced.take())
+                {
+                    self.end_receive(&request_id, outcome);
+                }
+            }
+        }
+        self.shut_down();
+    }
+
+    pub(crate) fn shut_down(&mut self) {
         let deadline = Instant::now() + DRAIN_ON_CLOSE;
         while !self.in_flight.is_empty() && Instant::now() < deadline {
             self.poll_writes();
             thread::sleep(BUSY_POLL);
         }
         for w in std::mem::take(&mut self.in_flight) {
-            self.transport.abandon_write(w.write);
-            self.finish(w, Err("the endpoint closed during the write".to_owned()));
+            self.abandon(w, "the endpoint closed during the write");
         }
         let awaited: Vec<String> = self.awaited.keys().cloned().collect();
         for request_id in awaited {
@@ -824,3 +1129,6 @@ impl<T: Transport> Writer<T> {
         }
     }
 }
+
+/// Far enough ahead that every table entry's deadline has passed (see `Endpoint::ready`).
+const MAX_TTL_OF_ALL: Duration = Duration::from_secs(2 * 24 * 3_600);

@@ -208,7 +208,7 @@ impl std::fmt::Debug for Encoder {
 /// Needs uniqueness, not secrecy (the MAC, not the nonce, stops forgeries): std's `RandomState`
 /// is seeded from the OS's randomness once per thread, and the counter, clock, process and
 /// thread make each call's input distinct even where the seed repeats.
-fn fresh_session() -> u64 {
+pub(crate) fn fresh_session() -> u64 {
     static CREATED: AtomicU64 = AtomicU64::new(0);
     let mut hasher = RandomState::new().build_hasher();
     CREATED.fetch_add(1, Ordering::Relaxed).hash(&mut hasher);
@@ -382,8 +382,8 @@ mod tests {
     use super::*;
     use crate::layout::{KvLayout, Region, TokenOrder};
     use crate::protocol::messages::{
-        BlockGroup, Cancel, CancelAck, Done, ErrorReply, Fail, FailReason, Heartbeat, Hello,
-        Register,
+        Attach, BlockGroup, Cancel, CancelAck, Done, ErrorReply, Fail, FailReason, Heartbeat,
+        Hello, Register,
     };
     use crate::protocol::MAX_REPLY_DETAIL_BYTES;
 
@@ -453,6 +453,9 @@ mod tests {
                 compatibility: "sha256:abcd".into(),
                 versions: vec![1],
                 memory: crate::transport::MemorySpace::DRAM,
+                nonce: 7,
+                echo: 8,
+                write_horizon_ms: 16_000,
             }),
             Message::Register(register(vec![3, 1, 4, 1 << 31])),
             Message::Done(done()),
@@ -474,8 +477,15 @@ mod tests {
                 epoch: 2,
                 wrote: true,
             }),
-            Message::Heartbeat(Heartbeat { engine_id: "decode-0".into(), seq: 9, pending: 3 }),
+            Message::Heartbeat(Heartbeat {
+                engine_id: "decode-0".into(),
+                seq: 9,
+                pending: 3,
+                clock_ms: 1_234,
+                echo_ms: 1_200,
+            }),
             Message::Error(ErrorReply { code: "replayed".into(), detail: "again".into() }),
+            Message::Attach(Attach { echo: 8, agent_metadata: vec![9; 40] }),
         ]
     }
 
@@ -913,7 +923,13 @@ mod tests {
         let mut decoder = Decoder::new(None, limits);
         let long_sender = Encoder::new("a sender name longer than sixteen bytes", None);
         let frame = long_sender.encode(
-            &Message::Heartbeat(Heartbeat { engine_id: "d".into(), seq: 0, pending: 0 }),
+            &Message::Heartbeat(Heartbeat {
+                engine_id: "d".into(),
+                seq: 0,
+                pending: 0,
+                clock_ms: 0,
+                echo_ms: 0,
+            }),
             NOW,
         );
         let err = decoder.decode(&frame, NOW).unwrap_err();

@@ -20,11 +20,14 @@ const MAX_BODY_DEPTH: usize = 16;
 /// Most protocol versions a [`Hello`] may list.
 const MAX_HELLO_VERSIONS: usize = 64;
 
-/// Side-channel handshake: who a worker is, how to reach its memory, and how its KV is laid out.
+/// Side-channel handshake: who a worker is, how its KV is laid out, and its half of the
+/// challenge that proves both sides hold the shared secret.
 ///
 /// Each side sends its own `Hello` as the first frame on a side-channel connection (the
-/// connecting side first). P needs D's to WRITE into D (agent metadata + layout); D needs P's to
-/// check compatibility and to know how many DONEs to expect.
+/// connecting side first, with a fresh `nonce`; the accepting side answers with its own `nonce`
+/// and `echo`, the connector's). Neither Hello carries NIXL agent metadata: the connector sends
+/// its metadata in an [`Attach`] only once the acceptor's Hello has proven the acceptor holds
+/// the secret, and the acceptor loads it only once the `Attach` has proven the connector does.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Hello {
     /// The sender's vLLM engine id.
@@ -40,8 +43,22 @@ pub struct Hello {
     /// The sender's NIXL agent name (what NIXL notifications name as their source).
     pub agent_name: String,
     /// The sender's NIXL agent metadata (`get_agent_metadata()`), for `add_remote_agent`.
+    /// Empty on the wire (it travels in [`Attach`]); the side channel fills it in for the
+    /// [`crate::side_channel::PeerInfo`] of a connector.
     #[serde(with = "serde_bytes")]
     pub agent_metadata: Vec<u8>,
+    /// A fresh random challenge for this connection, which the peer's next frame must echo.
+    #[serde(default)]
+    pub nonce: u64,
+    /// The accepting side's copy of the connector's `nonce` (0 in the connector's Hello).
+    #[serde(default)]
+    pub echo: u64,
+    /// How long after its last proof that the peer is alive this worker may still be writing
+    /// into the peer: its lease (no WRITE is posted later than `lease` after that proof) plus
+    /// its write timeout (no posted WRITE runs longer, unless it is quarantined and the peer
+    /// told). D hands a lost P's blocks back only after this much time. Milliseconds.
+    #[serde(default)]
+    pub write_horizon_ms: u64,
     /// The sender's KV cache layout.
     pub layout: KvLayout,
     /// Hash of everything that must match for KV to be interchangeable (model, dtype, KV
@@ -141,13 +158,16 @@ pub enum FailReason {
     ShuttingDown,
     /// P and D are not compatible (compatibility hash, layout, version).
     Incompatible,
+    /// P abandoned the WRITE but the transport could not release it: it may still be landing.
+    /// D must keep the destination blocks (never reuse them); P keeps its source blocks.
+    Quarantined,
     /// A reason this build does not know; carries the wire string.
     Unknown(String),
 }
 
 impl FailReason {
     /// Every reason this build knows, in wire order.
-    pub const KNOWN: [FailReason; 7] = [
+    pub const KNOWN: [FailReason; 8] = [
         Self::Aborted,
         Self::Expired,
         Self::Refused,
@@ -155,6 +175,7 @@ impl FailReason {
         Self::Cancelled,
         Self::ShuttingDown,
         Self::Incompatible,
+        Self::Quarantined,
     ];
 
     /// The wire string.
@@ -167,6 +188,7 @@ impl FailReason {
             Self::Cancelled => "cancelled",
             Self::ShuttingDown => "shutting_down",
             Self::Incompatible => "incompatible",
+            Self::Quarantined => "quarantined",
             Self::Unknown(reason) => reason,
         }
     }
@@ -245,6 +267,24 @@ pub struct Heartbeat {
     pub seq: u64,
     /// Transfers the sender is waiting on from the receiver.
     pub pending: u32,
+    /// The sender's side-channel clock (milliseconds since its channel started, from 1).
+    #[serde(default)]
+    pub clock_ms: u64,
+    /// The latest `clock_ms` the sender received from the receiver (0: none yet): proof, on the
+    /// receiver's own clock, that the sender was alive after that moment.
+    #[serde(default)]
+    pub echo_ms: u64,
+}
+
+/// The connector's answer to the acceptor's [`Hello`]: proof that it holds the secret (a signed
+/// frame that echoes this connection's challenge), and its NIXL agent metadata.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attach {
+    /// The acceptor's Hello `nonce`.
+    pub echo: u64,
+    /// The connector's NIXL agent metadata (`get_agent_metadata()`), for `add_remote_agent`.
+    #[serde(with = "serde_bytes")]
+    pub agent_metadata: Vec<u8>,
 }
 
 /// The reply to a frame that was refused.
@@ -280,12 +320,23 @@ pub enum Message {
     Heartbeat(Heartbeat),
     /// A frame was refused.
     Error(ErrorReply),
+    /// The connector's proof and agent metadata, after the Hellos.
+    Attach(Attach),
 }
 
 impl Message {
     /// Every envelope `kind` this build knows.
-    pub const KINDS: [&'static str; 8] =
-        ["hello", "register", "done", "fail", "cancel", "cancel_ack", "heartbeat", "error"];
+    pub const KINDS: [&'static str; 9] = [
+        "hello",
+        "register",
+        "done",
+        "fail",
+        "cancel",
+        "cancel_ack",
+        "heartbeat",
+        "error",
+        "attach",
+    ];
 
     /// The envelope `kind` of this message.
     pub fn kind(&self) -> &'static str {
@@ -298,6 +349,7 @@ impl Message {
             Self::CancelAck(_) => "cancel_ack",
             Self::Heartbeat(_) => "heartbeat",
             Self::Error(_) => "error",
+            Self::Attach(_) => "attach",
         }
     }
 
@@ -312,6 +364,7 @@ impl Message {
             Self::CancelAck(m) => rmp_serde::to_vec_named(m),
             Self::Heartbeat(m) => rmp_serde::to_vec_named(m),
             Self::Error(m) => rmp_serde::to_vec_named(m),
+            Self::Attach(m) => rmp_serde::to_vec_named(m),
         };
         // Serializing into a Vec can only fail for a writer error (a Vec has none), a sequence of
         // unknown length (derived impls always know it) or a custom error (no impl here raises
@@ -330,6 +383,7 @@ impl Message {
             "cancel_ack" => Self::CancelAck(from_msgpack(body)?),
             "heartbeat" => Self::Heartbeat(from_msgpack(body)?),
             "error" => Self::Error(from_msgpack(body)?),
+            "attach" => Self::Attach(from_msgpack(body)?),
             other => return Err(ProtocolError::UnknownKind { kind: other.to_owned() }),
         })
     }
@@ -429,6 +483,9 @@ impl Message {
                 text("error.code", &m.code)?;
                 text("error.detail", &m.detail)?;
             }
+            // The metadata is bounded by the frame limit; NIXL parses it only after the frame
+            // proved its sender holds the secret.
+            Self::Attach(_) => {}
         }
         Ok(())
     }

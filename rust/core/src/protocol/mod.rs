@@ -38,11 +38,12 @@ pub mod messages;
 mod replay;
 
 pub use auth::Secret;
+pub(crate) use codec::fresh_session;
 pub use codec::{frame_len, unix_millis, Decoder, Encoder, Envelope, PREFIX_LEN};
 pub use error::{ProtocolError, MAX_REPLY_DETAIL_BYTES};
 pub use messages::{
-    BlockGroup, Cancel, CancelAck, Done, ErrorReply, Fail, FailReason, Heartbeat, Hello, Message,
-    Register,
+    Attach, BlockGroup, Cancel, CancelAck, Done, ErrorReply, Fail, FailReason, Heartbeat, Hello,
+    Message, Register,
 };
 pub use replay::REPLAY_WINDOW;
 

@@ -4,13 +4,14 @@ use std::fmt;
 use std::io::{self, ErrorKind, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use super::frames::{FrameError, FrameReader};
 use super::{lock, PeerId, PeerInfo, Shared, SideChannelConfig};
 use crate::protocol::{
-    unix_millis, Decoder, Encoder, ErrorReply, Heartbeat, Hello, Message, ProtocolError,
+    unix_millis, Attach, Decoder, Encoder, ErrorReply, Heartbeat, Hello, Message, ProtocolError,
     MAX_REPLY_DETAIL_BYTES,
 };
 
@@ -37,6 +38,12 @@ pub(super) struct Connection {
     /// Why this side closed the connection; the first reason wins. The reader then reports this
     /// cause to `peer_lost` rather than the end of stream it sees as a consequence.
     close_reason: OnceLock<String>,
+    /// The latest moment, on this channel's clock (ms, see `Shared::clock_ms`), after which the
+    /// peer is proven to have been alive: the send time of our frame its latest echo answered.
+    /// 0 until the handshake proves anything. Only grows.
+    proven_ms: AtomicU64,
+    /// The latest `clock_ms` the peer sent, echoed in our heartbeats. Only grows.
+    peer_clock_ms: AtomicU64,
 }
 
 impl fmt::Debug for Connection {
@@ -59,6 +66,23 @@ impl Connection {
             write_lock: Mutex::new(()),
             info: OnceLock::new(),
             close_reason: OnceLock::new(),
+            proven_ms: AtomicU64::new(0),
+            peer_clock_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// See `proven_ms`.
+    pub(super) fn proven_ms(&self) -> u64 {
+        // Relaxed: a monotonic value read on its own; nothing else is published through it.
+        self.proven_ms.load(Ordering::Relaxed)
+    }
+
+    /// The peer proved it was alive after `at_ms` (our clock); `now_ms` bounds what a peer can
+    /// claim, so that a bogus echo from the future cannot stretch the proof.
+    pub(super) fn prove(&self, at_ms: u64, now_ms: u64) {
+        if at_ms > 0 && at_ms <= now_ms {
+            // Relaxed: see `proven_ms`.
+            self.proven_ms.fetch_max(at_ms, Ordering::Relaxed);
         }
     }
 
@@ -82,13 +106,18 @@ impl Connection {
         self.write_locked(encoder, message)
     }
 
-    /// Completes the handshake on the accepting side: the peer becomes visible and our Hello
-    /// goes out under one hold of the write lock, so that a `send` that finds the peer waits for
-    /// the Hello to be written first, and a peer that has read our Hello is already listed.
-    fn answer_hello(&self, encoder: &Encoder, hello: &Hello, info: PeerInfo) -> io::Result<()> {
+    /// Completes the handshake on the accepting side: the peer becomes visible and the welcome
+    /// heartbeat goes out under one hold of the write lock, so that a `send` that finds the peer
+    /// waits for the welcome to be written first, and a peer that has read it is already listed.
+    fn join_and_welcome(
+        &self,
+        encoder: &Encoder,
+        welcome: &Message,
+        info: PeerInfo,
+    ) -> io::Result<()> {
         let _frame_order = lock(&self.write_lock);
         let _ = self.info.set(info);
-        self.write_locked(encoder, &Message::Hello(hello.clone()))
+        self.write_locked(encoder, welcome)
     }
 
     fn write_locked(&self, encoder: &Encoder, message: &Message) -> io::Result<()> {
@@ -166,8 +195,19 @@ pub(super) enum HandshakeError {
     Refused(ProtocolError),
     /// The peer answered with an `error` message instead of a Hello.
     Reply(ErrorReply),
-    /// The peer's first frame was a valid message of another kind.
-    NotHello(&'static str),
+    /// The peer's frame was a valid message of another kind than the handshake needs next.
+    Unexpected {
+        /// The kind the handshake needs.
+        want: &'static str,
+        /// The kind that came.
+        got: &'static str,
+    },
+    /// The peer's frame does not answer this connection's challenge: a replay of another
+    /// connection's handshake, or a peer that does not hold the secret.
+    WrongEcho {
+        /// What the frame was.
+        what: &'static str,
+    },
 }
 
 impl fmt::Display for HandshakeError {
@@ -183,23 +223,30 @@ impl fmt::Display for HandshakeError {
             Self::Reply(reply) => {
                 write!(f, "the peer refused us ({}): {}", reply.code, reply.detail)
             }
-            Self::NotHello(kind) => {
-                write!(f, "the peer's first frame was `{kind}`, but the handshake needs `hello`")
+            Self::Unexpected { want, got } => {
+                write!(f, "the peer sent `{got}`, but the handshake needs `{want}` next")
             }
+            Self::WrongEcho { what } => write!(
+                f,
+                "the peer's {what} does not answer this connection's challenge: a replayed \
+                 handshake, or a peer without the shared secret"
+            ),
         }
     }
 }
 
-/// Reads the peer's first frame, which must be its Hello, by `deadline`.
+/// Reads the peer's next handshake frame, which must be a `want` message, by `deadline`.
 ///
-/// A first frame the decoder refuses is counted with `refused(None, ..)` and answered with an
-/// error reply; the caller closes the connection on any error.
-pub(super) fn read_hello(
+/// A frame the decoder refuses is counted with `refused(None, ..)` and answered with an error
+/// reply; an `error` from the peer is [`HandshakeError::Reply`]; the caller closes the
+/// connection on any error.
+fn read_handshake(
     shared: &Shared,
     conn: &Connection,
     inbound: &mut Inbound,
     deadline: Instant,
-) -> Result<Hello, HandshakeError> {
+    want: &'static str,
+) -> Result<Message, HandshakeError> {
     loop {
         if let Some(reason) = conn.closed() {
             return Err(HandshakeError::Closed(reason.clone()));
@@ -221,10 +268,10 @@ pub(super) fn read_hello(
         inbound.frames.consume();
         return match decoded {
             Ok(envelope) => match envelope.message {
-                Message::Hello(hello) => Ok(hello),
                 Message::Error(reply) => Err(HandshakeError::Reply(reply)),
+                message if message.kind() == want => Ok(message),
                 other => {
-                    let error = HandshakeError::NotHello(other.kind());
+                    let error = HandshakeError::Unexpected { want, got: other.kind() };
                     let reply = Message::Error(error_reply("invalid", &error.to_string()));
                     conn.reply_and_close(&shared.encoder, &reply, error.to_string());
                     Err(error)
@@ -237,6 +284,71 @@ pub(super) fn read_hello(
             }
         };
     }
+}
+
+/// Reads the peer's Hello (its first frame) by `deadline`, with the small pre-authentication
+/// frame limit.
+pub(super) fn read_hello(
+    shared: &Shared,
+    conn: &Connection,
+    inbound: &mut Inbound,
+    deadline: Instant,
+) -> Result<Hello, HandshakeError> {
+    inbound.frames.set_max_frame_bytes(shared.handshake_frame_bytes());
+    match read_handshake(shared, conn, inbound, deadline, "hello")? {
+        Message::Hello(hello) => Ok(hello),
+        _ => unreachable!("read_handshake returns only the kind asked for"),
+    }
+}
+
+/// Connector: reads the acceptor's welcome (a heartbeat: it loaded our metadata and joined us)
+/// by `deadline`; from then on frames may be as large as the limits allow.
+pub(super) fn read_welcome(
+    shared: &Shared,
+    conn: &Connection,
+    inbound: &mut Inbound,
+    deadline: Instant,
+) -> Result<Heartbeat, HandshakeError> {
+    let welcome = read_handshake(shared, conn, inbound, deadline, "heartbeat")?;
+    inbound.frames.set_max_frame_bytes(shared.config.limits.max_frame_bytes);
+    match welcome {
+        Message::Heartbeat(heartbeat) => Ok(heartbeat),
+        _ => unreachable!("read_handshake returns only the kind asked for"),
+    }
+}
+
+/// Acceptor: reads the connector's Attach by `deadline`. Its metadata may be large, but the
+/// buffer grows only with the bytes that arrive, and the whole handshake is bounded in time.
+fn read_attach(
+    shared: &Shared,
+    conn: &Connection,
+    inbound: &mut Inbound,
+    deadline: Instant,
+) -> Result<Attach, HandshakeError> {
+    inbound.frames.set_max_frame_bytes(shared.config.limits.max_frame_bytes);
+    match read_handshake(shared, conn, inbound, deadline, "attach")? {
+        Message::Attach(attach) => Ok(attach),
+        _ => unreachable!("read_handshake returns only the kind asked for"),
+    }
+}
+
+/// The heartbeat a connection sends: our clock, and the peer's latest clock as its proof.
+pub(super) fn heartbeat(shared: &Shared, conn: &Connection, seq: u64) -> Message {
+    Message::Heartbeat(Heartbeat {
+        engine_id: shared.hello.engine_id.clone(),
+        seq,
+        pending: shared.handler.pending(conn.id),
+        clock_ms: shared.clock_ms(),
+        // Relaxed: see `Connection::proven_ms`.
+        echo_ms: conn.peer_clock_ms.load(Ordering::Relaxed),
+    })
+}
+
+/// A heartbeat from the peer: remember its clock to echo, and take its echo of ours as proof.
+pub(super) fn heard(shared: &Shared, conn: &Connection, heartbeat: &Heartbeat) {
+    // Relaxed: see `Connection::proven_ms`.
+    conn.peer_clock_ms.fetch_max(heartbeat.clock_ms, Ordering::Relaxed);
+    conn.prove(heartbeat.echo_ms, shared.clock_ms());
 }
 
 /// The protocol's own conditions for two peers to talk (docs/protocol.md, `hello`): a side-channel
@@ -304,21 +416,43 @@ pub(super) fn run(shared: Arc<Shared>, conn: Arc<Connection>, start: Start) {
 }
 
 /// The accepting side's handshake, then [`serve`]. `None` when the peer never joined.
+///
+/// Hello in, our Hello out (answering the connector's challenge and posing ours), Attach in
+/// (answering ours, with the connector's agent metadata), then the handler's say, then the
+/// welcome heartbeat. Nothing the connector sent reaches the handler (nor NIXL) before the
+/// Attach proved it holds the secret and is not a replay.
 fn serve_accepted(shared: &Shared, conn: &Connection) -> Option<String> {
     let deadline = Instant::now() + shared.config.connect_timeout;
     let mut inbound = Inbound::new(&shared.config);
-    let hello = match read_hello(shared, conn, &mut inbound, deadline) {
+    let refuse = |error: HandshakeError| {
+        conn.close(error.to_string());
+        None
+    };
+    let mut hello = match read_hello(shared, conn, &mut inbound, deadline) {
         Ok(hello) => hello,
-        Err(error) => {
-            conn.close(error.to_string());
-            return None;
-        }
+        Err(error) => return refuse(error),
     };
     if let Err(reply) = check_hello(&shared.hello, &hello) {
         let reason = format!("refused the peer's hello: {}", reply.detail);
         conn.reply_and_close(&shared.encoder, &Message::Error(reply), reason);
         return None;
     }
+    let nonce = crate::protocol::fresh_session();
+    let sent_ms = shared.clock_ms();
+    let ours = Message::Hello(shared.wire_hello(nonce, hello.nonce));
+    if let Err(error) = conn.send(&shared.encoder, &ours) {
+        return refuse(HandshakeError::Closed(format!("sending our hello failed: {error}")));
+    }
+    let attach = match read_attach(shared, conn, &mut inbound, deadline) {
+        Ok(attach) => attach,
+        Err(error) => return refuse(error),
+    };
+    if attach.echo != nonce {
+        wrong_echo(shared, conn, "attach");
+        return None;
+    }
+    conn.prove(sent_ms, shared.clock_ms());
+    hello.agent_metadata = attach.agent_metadata;
     let info = PeerInfo { id: conn.id, addr: conn.addr, hello };
     if let Err(reason) = shared.handler.peer_joined(&info) {
         let reply = Message::Error(error_reply("incompatible", &reason));
@@ -330,10 +464,21 @@ fn serve_accepted(shared: &Shared, conn: &Connection) -> Option<String> {
         return None;
     }
     // peer_joined accepted it: from here on the peer is owed a peer_lost, whatever happens.
-    if let Err(error) = conn.answer_hello(&shared.encoder, &shared.hello, info) {
-        return Some(format!("sending our hello failed: {error}"));
+    let welcome = heartbeat(shared, conn, 0);
+    if let Err(error) = conn.join_and_welcome(&shared.encoder, &welcome, info) {
+        return Some(format!("sending our welcome failed: {error}"));
     }
     Some(serve(shared, conn, inbound))
+}
+
+/// Refuses a handshake frame that does not echo this connection's challenge: counted, answered
+/// and closed.
+pub(super) fn wrong_echo(shared: &Shared, conn: &Connection, what: &'static str) {
+    let error = HandshakeError::WrongEcho { what };
+    let refusal = ProtocolError::Invalid { field: "echo", reason: error.to_string() };
+    shared.handler.refused(None, &refusal);
+    let reply = Message::Error(error_reply("unauthenticated", &error.to_string()));
+    conn.reply_and_close(&shared.encoder, &reply, error.to_string());
 }
 
 /// Reads and dispatches frames, sends heartbeats, and watches for silence until the connection
@@ -350,12 +495,14 @@ fn serve(shared: &Shared, conn: &Connection, mut inbound: Inbound) -> String {
         }
         let now = Instant::now();
         if now >= next_heartbeat {
+            // A worker that cannot act any more (its writer stopped) must not look alive:
+            // peers then fence and fail its transfers instead of waiting on it.
+            if let Err(reason) = shared.handler.healthy() {
+                conn.close(format!("this worker is unhealthy: {reason}"));
+                continue;
+            }
             heartbeats_sent += 1;
-            let heartbeat = Message::Heartbeat(Heartbeat {
-                engine_id: shared.hello.engine_id.clone(),
-                seq: heartbeats_sent,
-                pending: shared.handler.pending(conn.id),
-            });
+            let heartbeat = heartbeat(shared, conn, heartbeats_sent);
             // A failed write closes the connection; the check at the top of the loop reports it.
             let _ = conn.send(&shared.encoder, &heartbeat);
             next_heartbeat = now + config.heartbeat_interval;
@@ -394,10 +541,13 @@ fn serve(shared: &Shared, conn: &Connection, mut inbound: Inbound) -> String {
         inbound.frames.consume();
         let refusal = match decoded {
             Ok(envelope) => match envelope.message {
-                Message::Heartbeat(_) => None,
-                Message::Hello(_) => Some(ProtocolError::Invalid {
-                    field: "hello",
-                    reason: "sent again after the handshake".to_owned(),
+                Message::Heartbeat(heartbeat) => {
+                    heard(shared, conn, &heartbeat);
+                    None
+                }
+                Message::Hello(_) | Message::Attach(_) => Some(ProtocolError::Invalid {
+                    field: "kind",
+                    reason: "a handshake frame sent again after the handshake".to_owned(),
                 }),
                 Message::Done(_) => Some(ProtocolError::Invalid {
                     field: "done",

@@ -8,6 +8,9 @@ use crate::protocol::{frame_len, Limits, ProtocolError, PREFIX_LEN};
 /// `Register`) is freed once its frame is consumed, so that an idle connection holds little.
 const RETAINED_CAPACITY: usize = 64 << 10;
 
+/// Most bytes the buffer grows by ahead of what has arrived.
+const GROWTH_STEP: usize = 64 << 10;
+
 /// Assembles one frame at a time from a stream with a read timeout.
 ///
 /// `read_exact` will not do: when a read times out part way through a frame it does not say how
@@ -55,10 +58,13 @@ impl FrameReader {
             if self.filled == needed {
                 return Ok(true);
             }
-            if self.buf.len() < needed {
-                self.buf.resize(needed, 0);
+            // Grow with the bytes that arrive, not to the announced length: a prefix alone
+            // (a silent or slow peer) costs at most one step, never the whole frame.
+            let target = needed.min(self.filled + GROWTH_STEP);
+            if self.buf.len() < target {
+                self.buf.resize(target, 0);
             }
-            match source.read(&mut self.buf[self.filled..needed]) {
+            match source.read(&mut self.buf[self.filled..target]) {
                 Ok(0) => return Err(FrameError::Closed { mid_frame: self.filled > 0 }),
                 Ok(read) => self.filled += read,
                 // A socket read timeout reads as WouldBlock on Unix and TimedOut on Windows.
@@ -69,6 +75,11 @@ impl FrameReader {
                 Err(e) => return Err(FrameError::Io(e)),
             }
         }
+    }
+
+    /// Sets the largest frame accepted from now on (the handshake reads with a small one).
+    pub(super) fn set_max_frame_bytes(&mut self, max: usize) {
+        self.limits.max_frame_bytes = max;
     }
 
     /// The buffered frame, prefix included; whole only after `poll` returned `Ok(true)`.
@@ -150,6 +161,16 @@ mod tests {
         let err = reader.poll(&mut script).unwrap_err();
         assert!(matches!(err, FrameError::Protocol(ProtocolError::Oversized { len: 9, max: 8 })));
         assert!(reader.buf.len() <= PREFIX_LEN);
+    }
+
+    #[test]
+    fn a_large_announced_frame_allocates_only_what_arrived() {
+        let mut announced = u32::try_from(16 << 20).unwrap().to_be_bytes().to_vec();
+        announced.extend_from_slice(b"a few bytes");
+        let mut reader = FrameReader::new(Limits::default());
+        let mut script = Script(VecDeque::from([Some(announced), None]));
+        assert!(!reader.poll(&mut script).unwrap());
+        assert!(reader.buf.len() <= reader.filled + GROWTH_STEP, "{} bytes held", reader.buf.len());
     }
 
     #[test]

@@ -50,6 +50,7 @@
 //!     compatibility: "model-x/bf16".into(),
 //!     versions: vec![1],
 //!     memory: MemorySpace::DRAM,
+//!     nonce: 0, echo: 0, write_horizon_ms: 0,
 //! };
 //! let local = "127.0.0.1:0".parse()?;
 //! let prefill = SideChannel::start(SideChannelConfig::new(local, "prefill-0"), hello("prefill-0"), Arc::new(Log))?;
@@ -81,7 +82,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use crate::protocol::{Encoder, Hello, Limits, Message, ProtocolError, Secret};
+use crate::protocol::{Attach, Encoder, Hello, Limits, Message, ProtocolError, Secret};
 use connection::{Connection, HandshakeError, Inbound, Start};
 
 /// Identifies one side-channel connection for its whole life; never reused within a channel.
@@ -134,6 +135,19 @@ pub struct SideChannelConfig {
     /// (`too_many_connections`). Bounds memory: each connection holds at most one frame
     /// (`limits.max_frame_bytes`) and one thread. Default 256.
     pub max_connections: usize,
+    /// Most connections from one IP address at once. Default 32: a D engine needs one per P
+    /// rank it reads from, so a host of several engines stays well inside it.
+    pub max_connections_per_host: usize,
+    /// Most connections still in their handshake at once (not yet proven to hold the secret).
+    /// Default 16. With `handshake_frame_bytes` and `connect_timeout`, bounds what unproven
+    /// peers can cost.
+    pub max_handshakes: usize,
+    /// Largest frame read before the peer proved it holds the secret (its Hello). Default 64 KiB.
+    pub handshake_frame_bytes: usize,
+    /// Listen beyond loopback without a secret. Off by default: a side channel bound to a
+    /// routable address without a secret refuses to start, since anyone who reaches the port
+    /// could then register for (and receive) another engine's KV.
+    pub allow_insecure: bool,
 }
 
 impl SideChannelConfig {
@@ -150,6 +164,10 @@ impl SideChannelConfig {
             connect_timeout: Duration::from_secs(3),
             write_timeout: Duration::from_secs(2),
             max_connections: 256,
+            max_connections_per_host: 32,
+            max_handshakes: 16,
+            handshake_frame_bytes: 64 << 10,
+            allow_insecure: false,
         }
     }
 
@@ -171,8 +189,28 @@ impl SideChannelConfig {
                 self.peer_timeout, self.heartbeat_interval
             ));
         }
-        if self.max_connections == 0 {
-            return invalid("side channel: max_connections must be at least 1".to_owned());
+        for (name, value) in [
+            ("max_connections", self.max_connections),
+            ("max_connections_per_host", self.max_connections_per_host),
+            ("max_handshakes", self.max_handshakes),
+        ] {
+            if value == 0 {
+                return invalid(format!("side channel: {name} must be at least 1"));
+            }
+        }
+        if self.secret.is_none() && !self.bind.ip().is_loopback() && !self.allow_insecure {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "side channel: refusing to listen on {} without a shared secret: any host \
+                     that reaches this port could register for another engine's KV or cancel \
+                     its transfers. Set the same secret on every prefill and decode worker \
+                     (KVPUSH_SECRET=<32+ random bytes>, or kv_connector_extra_config \
+                     {{\"secret\": ...}}), bind to 127.0.0.1, or accept the risk explicitly \
+                     (KVPUSH_INSECURE=1 / {{\"insecure\": true}})",
+                    self.bind
+                ),
+            ));
         }
         Ok(())
     }
@@ -230,6 +268,13 @@ pub trait ControlHandler: Send + Sync + 'static {
     /// it refuses.
     fn refused(&self, peer: Option<PeerId>, error: &ProtocolError) {
         let _ = (peer, error);
+    }
+
+    /// Whether this side can still act on what peers send. While it answers `Err(reason)`, each
+    /// connection closes instead of sending its next heartbeat, so that peers stop waiting on a
+    /// worker that cannot serve them. `Ok` unless overridden.
+    fn healthy(&self) -> Result<(), String> {
+        Ok(())
     }
 
     /// The `pending` field of the heartbeats sent to `peer`: how many transfers this side waits
@@ -336,6 +381,9 @@ struct Shared {
     encoder: Encoder,
     next_id: AtomicU64,
     registry: Mutex<Registry>,
+    /// The channel clock's origin: heartbeats carry `clock_ms` from it, and peers' echoes of it
+    /// prove on this side's own clock when they were last alive.
+    origin: Instant,
 }
 
 /// The connections and threads alive, under one lock so that `close` sees every connection and
@@ -384,6 +432,7 @@ impl SideChannel {
             handler,
             next_id: AtomicU64::new(1),
             registry: Mutex::new(Registry::default()),
+            origin: Instant::now(),
         });
         let accept = thread::Builder::new().name("kvpush-side-accept".to_owned()).spawn({
             let shared = Arc::clone(&shared);
@@ -424,31 +473,49 @@ impl SideChannel {
         let peer_addr = socket.peer_addr().map_err(connect_error)?;
         shared.configure(&socket).map_err(connect_error)?;
         let conn = Arc::new(Connection::new(shared.next_id(), peer_addr, socket));
-        let ours = Message::Hello(shared.hello.clone());
+        let nonce = crate::protocol::fresh_session();
+        let sent_ms = shared.clock_ms();
+        let ours = Message::Hello(shared.wire_hello(nonce, 0));
         conn.send(&shared.encoder, &ours)
             .map_err(|error| handshake_error(format!("sending our hello failed: {error}")))?;
-
-        let mut inbound = Inbound::new(&shared.config);
-        let hello = match connection::read_hello(shared, &conn, &mut inbound, deadline) {
-            Ok(hello) => hello,
-            Err(HandshakeError::Reply(reply)) => {
+        let refused = |conn: &Connection, error: HandshakeError| match error {
+            HandshakeError::Reply(reply) => {
                 conn.close("the peer refused us");
-                return Err(SideChannelError::Refused {
+                SideChannelError::Refused {
                     addr: addr.to_owned(),
                     code: reply.code,
                     detail: reply.detail,
-                });
+                }
             }
-            Err(error) => {
+            error => {
                 conn.close(error.to_string());
-                return Err(handshake_error(error.to_string()));
+                handshake_error(error.to_string())
             }
         };
+
+        let mut inbound = Inbound::new(&shared.config);
+        let hello = connection::read_hello(shared, &conn, &mut inbound, deadline)
+            .map_err(|error| refused(&conn, error))?;
+        if hello.echo != nonce {
+            connection::wrong_echo(shared, &conn, "hello");
+            return Err(handshake_error(HandshakeError::WrongEcho { what: "hello" }.to_string()));
+        }
         if let Err(reply) = connection::check_hello(&shared.hello, &hello) {
             let reason = format!("refused the peer's hello ({}): {}", reply.code, reply.detail);
             conn.reply_and_close(&shared.encoder, &Message::Error(reply), reason.clone());
             return Err(handshake_error(reason));
         }
+        conn.prove(sent_ms, shared.clock_ms());
+        // Only now, with the peer proven, does our agent metadata leave this process.
+        let attach = Message::Attach(Attach {
+            echo: hello.nonce,
+            agent_metadata: shared.hello.agent_metadata.clone(),
+        });
+        conn.send(&shared.encoder, &attach)
+            .map_err(|error| handshake_error(format!("sending our attach failed: {error}")))?;
+        let welcome = connection::read_welcome(shared, &conn, &mut inbound, deadline)
+            .map_err(|error| refused(&conn, error))?;
+        connection::heard(shared, &conn, &welcome);
         let info = PeerInfo { id: conn.id, addr: peer_addr, hello };
         if let Err(reason) = shared.handler.peer_joined(&info) {
             let reason = format!("this side's handler refused the peer: {reason}");
@@ -513,6 +580,16 @@ impl SideChannel {
         peers
     }
 
+    /// How long ago `peer` was last proven alive, on this side's clock: the time since we sent
+    /// the frame whose echo it answered most recently. `None` for a peer that is gone or never
+    /// joined. A peer can only echo what it received, so it was alive after that moment
+    /// whatever delayed its frames on the way back.
+    pub fn proof_age(&self, peer: PeerId) -> Option<Duration> {
+        let conn = self.shared.joined(peer).ok()?;
+        let proven = conn.proven_ms();
+        (proven > 0).then(|| Duration::from_millis(self.shared.clock_ms().saturating_sub(proven)))
+    }
+
     /// Stops accepting, closes every connection (each joined peer gets its `peer_lost`, with
     /// the reason "closed by this side") and joins every thread.
     ///
@@ -563,6 +640,22 @@ impl fmt::Debug for SideChannel {
 }
 
 impl Shared {
+    /// This channel's clock: milliseconds since it started, from 1 (0 means "never" on the wire).
+    fn clock_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1
+    }
+
+    /// Our Hello as it goes on the wire: with this connection's challenge, without agent
+    /// metadata (which goes in the connector's `Attach`, and P's is never needed).
+    fn wire_hello(&self, nonce: u64, echo: u64) -> Hello {
+        Hello { agent_metadata: Vec::new(), nonce, echo, ..self.hello.clone() }
+    }
+
+    /// The frame limit before a peer has proven anything.
+    fn handshake_frame_bytes(&self) -> usize {
+        self.config.handshake_frame_bytes.min(self.config.limits.max_frame_bytes)
+    }
+
     fn next_id(&self) -> PeerId {
         // Relaxed: only the uniqueness of each id matters.
         self.next_id.fetch_add(1, Ordering::Relaxed)
@@ -618,6 +711,21 @@ impl Shared {
         }
         if registry.connections.len() >= self.config.max_connections {
             return Err(SideChannelError::TooManyConnections { max: self.config.max_connections });
+        }
+        if matches!(start, Start::Accepted) {
+            let from_host =
+                registry.connections.values().filter(|c| c.addr.ip() == conn.addr.ip()).count();
+            if from_host >= self.config.max_connections_per_host {
+                return Err(SideChannelError::TooManyConnections {
+                    max: self.config.max_connections_per_host,
+                });
+            }
+            let handshaking = registry.connections.values().filter(|c| c.info().is_none()).count();
+            if handshaking >= self.config.max_handshakes {
+                return Err(SideChannelError::TooManyConnections {
+                    max: self.config.max_handshakes,
+                });
+            }
         }
         // Finished threads have nothing left to join; dropping their handles keeps the list as
         // short as the live connections.
