@@ -810,6 +810,39 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         purged
     }
 
+    /// Ends every live entry, writes in flight included (their writer is gone): for when the
+    /// writer itself stopped. Each key is fenced as failed; returns what each entry held, as
+    /// [`expire`](Self::expire) does, so that D can be told and P's blocks freed.
+    pub fn drain(&self, now: Instant) -> Vec<Expired<R, K>> {
+        let mut drained = Vec::new();
+        for shard in self.shards.iter() {
+            let mut shard = lock(shard);
+            let live: Vec<(u64, TransferKey)> = shard
+                .entries
+                .iter()
+                .filter(|entry| !matches!(entry.state, State::Fenced { .. }))
+                .map(|entry| (entry.key.hash, entry.key.key.clone()))
+                .collect();
+            for (hash, key) in live {
+                let Some(taken) = take_entry(&mut shard, hash, &key) else { continue };
+                let (registration, ready, was_matched) = match taken.state {
+                    State::Registered { epoch, registration, .. } => {
+                        (Some((epoch, registration)), None, false)
+                    }
+                    State::Ready { ready, .. } => (None, Some(ready), false),
+                    State::Matched { ready, .. } | State::InFlight { ready, .. } => {
+                        (None, Some(ready), true)
+                    }
+                    State::Fenced { .. } => continue,
+                };
+                let fence = self.fence_from(FenceReason::Failed, now);
+                self.settle(&mut shard, taken.key, taken.kind, fence, now);
+                drained.push(Expired { key, registration, ready, was_matched });
+            }
+        }
+        drained
+    }
+
     /// Live (not ended) entries, fences excluded.
     pub fn len(&self) -> usize {
         // Relaxed: a statistic; it publishes nothing and nothing is read on the strength of it.
@@ -1260,6 +1293,69 @@ mod tests {
             (0, 0, 0),
             "table not drained: {table:?}"
         );
+    }
+
+    #[test]
+    fn only_the_owner_supersedes_or_cancels_its_registration() {
+        let (table, c) = (table(), Clock::new());
+        waiting(table.register_owned(key("a"), 1, 7, "owner", c.at(100), c.at(0)));
+        assert_eq!(
+            table.register_owned(key("a"), 9, 8, "thief", c.at(100), c.at(1)),
+            Err(RendezvousError::Foreign { key: key("a") })
+        );
+        assert_eq!(table.cancel_owned(&key("a"), None, Some(8), c.at(2)), Cancelled::NotFound);
+        // The owner's registration still stands, and still matches.
+        let m = matched(table.ready(key("a"), vec![1], c.at(100), c.at(3)));
+        assert_eq!((m.epoch, m.registration), (1, "owner"));
+        // In flight too: the thief can neither queue a rematch nor cancel the write.
+        table.begin_write(&key("a"), 1).unwrap();
+        assert_eq!(
+            table.register_owned(key("a"), 9, 8, "thief", c.at(100), c.at(4)),
+            Err(RendezvousError::Foreign { key: key("a") })
+        );
+        assert_eq!(table.cancel_owned(&key("a"), Some(1), Some(8), c.at(5)), Cancelled::NotFound);
+        assert_eq!(table.cancel_owned(&key("a"), Some(1), Some(7), c.at(5)), Cancelled::Deferred);
+        // A peer's cancel of a key nobody registered fences nothing.
+        assert_eq!(table.cancel_owned(&key("b"), None, Some(8), c.at(6)), Cancelled::NotFound);
+        waiting(table.ready(key("b"), vec![2], c.at(100), c.at(7)));
+        // Nor can a peer cancel P's ready half, which it never registered for.
+        assert_eq!(table.cancel_owned(&key("b"), None, Some(8), c.at(8)), Cancelled::NotFound);
+        assert_eq!(table.len(), 2);
+    }
+
+    #[test]
+    fn purge_drops_a_lost_peers_waiting_registrations_only() {
+        let (table, c) = (table(), Clock::new());
+        waiting(table.register(key("lost-1"), 1, "lost", c.at(100), c.at(0)));
+        waiting(table.register(key("lost-2"), 1, "lost", c.at(100), c.at(0)));
+        waiting(table.register(key("kept"), 1, "alive", c.at(100), c.at(0)));
+        let mut purged: Vec<_> =
+            table.purge(|r| *r == "lost", c.at(1)).into_iter().map(|(k, e, r)| (k, e, r)).collect();
+        purged.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+        assert_eq!(purged, vec![(key("lost-1"), 1, "lost"), (key("lost-2"), 1, "lost")]);
+        assert_eq!(table.len(), 1);
+        // A purged key is fenced: P's KV arriving later is refused at once (P frees it).
+        assert!(matches!(
+            table.ready(key("lost-1"), vec![1], c.at(100), c.at(2)),
+            Err(RendezvousError::Fenced { reason: FenceReason::Cancelled, .. })
+        ));
+        assert_drains(&table, &c);
+    }
+
+    #[test]
+    fn drain_ends_every_live_entry_writes_in_flight_included() {
+        let (table, c) = (table(), Clock::new());
+        waiting(table.register(key("reg"), 1, "d", c.at(100), c.at(0)));
+        waiting(table.ready(key("ready"), vec![1], c.at(100), c.at(0)));
+        waiting(table.register(key("flying"), 1, "d", c.at(100), c.at(0)));
+        matched(table.ready(key("flying"), vec![2], c.at(100), c.at(0)));
+        table.begin_write(&key("flying"), 1).unwrap();
+        let drained = table.drain(c.at(1));
+        assert_eq!(drained.len(), 3);
+        assert_eq!(table.len(), 0);
+        let flying = drained.iter().find(|e| e.key == key("flying")).unwrap();
+        assert_eq!(flying.ready, Some(vec![2]));
+        assert_drains(&table, &c);
     }
 
     #[test]

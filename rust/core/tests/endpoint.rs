@@ -10,8 +10,11 @@ use kvpush_core::endpoint::{
 };
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::loopback::LoopbackTransport;
+use kvpush_core::planner::DescriptorRun;
 use kvpush_core::protocol::BlockGroup;
-use kvpush_core::transport::{MemoryRegion, MemorySpace, Transport};
+use kvpush_core::transport::{
+    MemoryRegion, MemorySpace, Notification, Transport, TransportError, WriteId, WriteState,
+};
 
 const TOKEN_BYTES: u64 = 16; // 2 heads x 8 bytes
 const REGIONS: u64 = 4;
@@ -62,7 +65,18 @@ impl Cache {
     }
 
     fn endpoint(&self, name: &str) -> Endpoint {
-        let mut transport = LoopbackTransport::new(name).unwrap().with_polls_until_done(2);
+        self.endpoint_with(name, Fault::None, |_| {})
+    }
+
+    /// An endpoint whose transport misbehaves as `fault` says, configured by `tune`.
+    fn endpoint_with(
+        &self,
+        name: &str,
+        fault: Fault,
+        tune: impl FnOnce(&mut EndpointConfig),
+    ) -> Endpoint {
+        let inner = LoopbackTransport::new(name).unwrap().with_polls_until_done(2);
+        let mut transport = Faulty { inner, fault, stuck: Vec::new() };
         let region = MemoryRegion {
             addr: self.memory.as_ptr() as u64,
             len: self.memory.len() as u64,
@@ -74,8 +88,83 @@ impl Cache {
         config.secret = Some(b"endpoint-test-shared-secret".to_vec());
         config.heartbeat_interval = Duration::from_millis(100);
         config.peer_timeout = Duration::from_millis(1_000);
+        tune(&mut config);
         Endpoint::start(config, transport).unwrap()
     }
+}
+
+/// How a [`Faulty`] transport misbehaves.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    None,
+    /// Every WRITE stays in progress, and the transport cannot release it.
+    StuckWrites,
+    /// Posting a WRITE panics (a bug in the writer's thread).
+    PanicOnPost,
+}
+
+/// The loopback transport with a fault injected.
+struct Faulty {
+    inner: LoopbackTransport,
+    fault: Fault,
+    stuck: Vec<WriteId>,
+}
+
+impl Transport for Faulty {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    unsafe fn register_memory(&mut self, regions: &[MemoryRegion]) -> Result<(), TransportError> {
+        // SAFETY: forwarded; the caller's promise covers the inner transport too.
+        unsafe { self.inner.register_memory(regions) }
+    }
+    fn metadata(&mut self) -> Result<Vec<u8>, TransportError> {
+        self.inner.metadata()
+    }
+    fn add_peer(&mut self, metadata: &[u8]) -> Result<String, TransportError> {
+        self.inner.add_peer(metadata)
+    }
+    fn remove_peer(&mut self, peer: &str) -> Result<(), TransportError> {
+        self.inner.remove_peer(peer)
+    }
+    fn post_write(
+        &mut self,
+        peer: &str,
+        runs: &[DescriptorRun],
+        local: MemorySpace,
+        remote: MemorySpace,
+        notification: &[u8],
+    ) -> Result<WriteId, TransportError> {
+        assert!(self.fault != Fault::PanicOnPost, "injected: the writer thread panics");
+        let write = self.inner.post_write(peer, runs, local, remote, notification)?;
+        if self.fault == Fault::StuckWrites {
+            self.stuck.push(write);
+        }
+        Ok(write)
+    }
+    fn poll_write(&mut self, write: WriteId) -> Result<WriteState, TransportError> {
+        if self.stuck.contains(&write) {
+            return Ok(WriteState::InProgress);
+        }
+        self.inner.poll_write(write)
+    }
+    fn abandon_write(&mut self, write: WriteId) -> bool {
+        !self.stuck.contains(&write) && self.inner.abandon_write(write)
+    }
+    fn send_notification(&mut self, peer: &str, payload: &[u8]) -> Result<(), TransportError> {
+        self.inner.send_notification(peer, payload)
+    }
+    fn take_notifications(&mut self, out: &mut Vec<Notification>) -> Result<(), TransportError> {
+        self.inner.take_notifications(out)
+    }
+}
+
+fn wait_for_registration(p: &Endpoint) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while p.pending() == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(p.pending(), 1, "D's registration did not reach P");
 }
 
 fn group(first_token: u64, block_ids: &[u32]) -> Vec<BlockGroup> {
@@ -200,4 +289,120 @@ fn unreachable_p_fails_the_expectation_with_the_address() {
         matches!(&received[..], [Event { outcome: Outcome::Failed(reason), .. }] if reason.contains(&closed.to_string())),
         "{received:?}"
     );
+}
+
+#[test]
+fn a_write_the_transport_cannot_release_is_quarantined_on_both_sides() {
+    let p_cache = Cache::new(16, |_| 9);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint_with("ep-p4", Fault::StuckWrites, |c| {
+        c.write_timeout = Duration::from_millis(300);
+    });
+    let d = d_cache.endpoint("ep-d4");
+    d.expect(expectation(&p, "req-stuck", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    p.ready(ready("req-stuck", &[3, 4], 20)).unwrap();
+    let sent = events(&p, 1);
+    let received = events(&d, 1);
+    assert!(
+        matches!(&sent[..], [Event { outcome: Outcome::Quarantined(reason), .. }] if reason.contains("could not release")),
+        "{sent:?}"
+    );
+    assert!(
+        matches!(&received[..], [Event { outcome: Outcome::Quarantined(reason), .. }] if reason.contains("keep its destination blocks")),
+        "{received:?}"
+    );
+    assert_eq!(p.stats().quarantined_writes, 1);
+    assert_eq!(p.pending(), 0);
+}
+
+#[test]
+fn a_panicking_writer_fails_everything_and_refuses_new_work() {
+    let p_cache = Cache::new(16, |_| 9);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint_with("ep-p5", Fault::PanicOnPost, |c| {
+        c.write_timeout = Duration::from_millis(500);
+    });
+    let d = d_cache.endpoint("ep-d5");
+    // A second request whose KV is ready but never registered: it must fail too.
+    p.ready(ready("req-orphan", &[9], 10)).unwrap();
+    d.expect(expectation(&p, "req-panic", &[1, 2], 0, 20)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while p.pending() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    p.ready(ready("req-panic", &[3, 4], 20)).unwrap();
+    let sent = events(&p, 2);
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert!(sent
+        .iter()
+        .all(|e| matches!(&e.outcome, Outcome::Failed(r) if r.contains("panicked"))));
+    let health = p.health().unwrap_err();
+    assert!(health.contains("panicked"), "{health}");
+    assert!(p.ready(ready("req-late", &[5], 10)).is_err(), "an unhealthy P takes new work");
+    assert_eq!(p.pending(), 0);
+    // D hears of it through the disconnect, and reports only once P's horizon has passed.
+    let lost_at = Instant::now();
+    let received = events(&d, 1);
+    assert!(
+        matches!(&received[..], [Event { outcome: Outcome::Failed(reason), .. }] if reason.contains("lost P")),
+        "{received:?}"
+    );
+    // P's horizon: peer_timeout 1 s + write_timeout 0.5 s + 1 s margin, from the disconnect.
+    assert!(lost_at.elapsed() >= Duration::from_millis(2_000), "D failed inside P's horizon");
+    drop((p, d));
+    assert!(d_cache.memory.iter().all(|&b| b == 0), "nothing was written");
+}
+
+#[test]
+fn a_duplicate_registration_leaves_the_transfer_to_complete() {
+    let p_cache = Cache::new(16, |i| (i % 13) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-p6");
+    let d = d_cache.endpoint("ep-d6");
+    // The same request, epoch and blocks registered twice (a retry, or a confused D).
+    d.expect(expectation(&p, "req-dup", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    d.expect(expectation(&p, "req-dup", &[1, 2], 0, 20)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while p.stats().refused_registrations == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(p.stats().refused_registrations, 1, "the duplicate reached P");
+    p.ready(ready("req-dup", &[3, 4], 20)).unwrap();
+    let received = events(&d, 1);
+    assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+    // No second event (a spurious FAIL) follows.
+    assert!(d.wait(Duration::from_millis(300)).is_empty());
+}
+
+#[test]
+fn another_peer_cannot_take_over_or_cancel_a_registration() {
+    let p_cache = Cache::new(16, |i| (i % 7) as u8 + 1);
+    let owner_cache = Cache::new(16, |_| 0);
+    let thief_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-p7");
+    let owner = owner_cache.endpoint("ep-owner");
+    let thief = thief_cache.endpoint("ep-thief");
+    let mut mine = expectation(&p, "req-owner", &[1, 2], 0, 20);
+    mine.transfer_id = Some("xfer-shared".into());
+    owner.expect(mine).unwrap();
+    wait_for_registration(&p);
+    // Another D (with the secret) registers the same transfer at a higher epoch, then cancels.
+    let mut theirs = expectation(&p, "req-thief", &[5, 6], 0, 20);
+    theirs.transfer_id = Some("xfer-shared".into());
+    theirs.epoch = 9;
+    thief.expect(theirs).unwrap();
+    let refused = events(&thief, 1);
+    assert!(
+        matches!(&refused[..], [Event { outcome: Outcome::Failed(reason), .. }] if reason.contains("another peer")),
+        "{refused:?}"
+    );
+    let mut ready_kv = ready("req-p", &[3, 4], 20);
+    ready_kv.transfer_id = Some("xfer-shared".into());
+    p.ready(ready_kv).unwrap();
+    let received = events(&owner, 1);
+    assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+    drop((p, owner, thief));
+    assert!(thief_cache.memory.iter().all(|&b| b == 0), "the thief received KV");
 }

@@ -1033,9 +1033,8 @@ impl<T: Transport> Writer<T> {
         for w in std::mem::take(&mut self.in_flight) {
             self.abandon(w, &reason);
         }
-        // Everything left in the table ends: expire it as of the far future.
-        let far = at.checked_add(MAX_TTL_OF_ALL).unwrap_or(at);
-        for expired in self.shared.table.expire(far) {
+        // Everything left in the table ends, writes in flight that the panic orphaned too.
+        for expired in self.shared.table.drain(at) {
             if let Some((_, registration)) = expired.registration {
                 let fail = registration.fail(FailReason::ShuttingDown, reason.clone());
                 self.send(registration.peer, Message::Fail(fail));
@@ -1129,6 +1128,3 @@ impl<T: Transport> Writer<T> {
         }
     }
 }
-
-/// Far enough ahead that every table entry's deadline has passed (see `Endpoint::ready`).
-const MAX_TTL_OF_ALL: Duration = Duration::from_secs(2 * 24 * 3_600);
