@@ -4,7 +4,9 @@ process (NIXL over UCX on loopback)."""
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -124,11 +126,16 @@ class Worker:
     seed: int | None
     transport: str
     secret: bytes | None = None
+    # Endpoint keyword arguments that replace the defaults below (``write_timeout``, ...).
+    options: dict[str, Any] = field(default_factory=dict)
     cache: PagedCache = field(init=False)
     endpoint: kvpush.Endpoint = field(init=False)
+    # D's whole cache as it was when each receive ended without its KV (see ``events``).
+    at_failure: dict[str, np.ndarray] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cache = PagedCache(self.shape, self.seed)
+        options: dict[str, Any] = {"heartbeat_interval": 0.2, "peer_timeout": 2.0, **self.options}
         self.endpoint = kvpush.Endpoint(
             f"{self.role}-engine",
             self.cache.layout(),
@@ -137,9 +144,13 @@ class Worker:
             agent_name=f"{self.role}-{id(self):x}",
             secret=self.secret,
             compatibility="test-model",
-            heartbeat_interval=0.2,
-            peer_timeout=2.0,
+            **options,
         )
+
+    @property
+    def pid(self) -> int:
+        """The process the worker's endpoint runs in."""
+        return os.getpid()
 
     def address(self) -> str:
         return self.endpoint.address
@@ -177,12 +188,32 @@ class Worker:
         self.endpoint.cancel(request_id)
 
     def events(self, count: int, timeout: float) -> list[dict[str, Any]]:
-        """Waits (bounded) until ``count`` events arrived; returns all that did."""
+        """Waits (bounded) until ``count`` events arrived; returns all that did.
+
+        A receive that ended without its KV snapshots the whole cache as it takes the event, so
+        that :meth:`changed_since_failure` can tell whether any byte landed after it."""
         deadline = time.monotonic() + timeout
         out: list[dict[str, Any]] = []
         while len(out) < count and time.monotonic() < deadline:
-            out += [event_dict(e) for e in self.endpoint.wait(0.05)]
+            for e in self.endpoint.wait(0.05):
+                if e.role == "receive" and e.outcome != "done":
+                    self.at_failure[e.request_id] = self.cache_copy()
+                out.append(event_dict(e))
         return out
+
+    def cache_digest(self) -> str:
+        """sha256 of the whole cache's bytes: a canary that any write changes."""
+        return hashlib.sha256(self.cache.array.view(np.uint8).data).hexdigest()
+
+    def cache_copy(self) -> np.ndarray:
+        """The whole cache's bytes, copied."""
+        copy: np.ndarray = self.cache.array.view(np.uint8).reshape(-1).copy()
+        return copy
+
+    def changed_since_failure(self, request_id: str) -> int:
+        """Bytes of the whole cache that differ from its snapshot at ``request_id``'s failure
+        event (taken by :meth:`events`; KeyError if the receive did not fail)."""
+        return int((self.cache_copy() != self.at_failure[request_id]).sum())
 
     def verify(self, p_shape: CacheShape, p_seed: int, requests: list[Request]) -> dict[str, int]:
         """Compares D's whole cache with the per-token copy of ``requests``."""
@@ -243,6 +274,13 @@ class RemoteWorker:
 
     def address(self) -> str:
         return str(self._address)
+
+    @property
+    def pid(self) -> int:
+        """The worker process, for signals and ``/proc`` (it is started by ``__init__``)."""
+        pid = self._process.pid
+        assert pid is not None, "the worker process was never started"
+        return pid
 
     def __getattr__(self, name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:

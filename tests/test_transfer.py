@@ -35,21 +35,40 @@ TRANSPORTS = {
 class Pair:
     """A P and a D worker on one transport."""
 
-    def __init__(self, transport: str, p_secret: bytes | None, d_secret: bytes | None) -> None:
+    def __init__(
+        self,
+        transport: str,
+        p_secret: bytes | None,
+        d_secret: bytes | None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         env = TRANSPORTS[transport]
+        options = options or {}
         self.transport = transport
         self.p: Any
         self.d: Any
         if env is None:
-            self.p = Worker("p", P_SHAPE, P_SEED, "loopback", p_secret)
-            self.d = Worker("d", D_SHAPE, None, "loopback", d_secret)
+            self.p = Worker("p", P_SHAPE, P_SEED, "loopback", p_secret, options)
+            self.d = Worker("d", D_SHAPE, None, "loopback", d_secret, options)
         else:
             nixl_or_skip()
             self.p = RemoteWorker(
-                env, role="p", shape=P_SHAPE, seed=P_SEED, transport="nixl", secret=p_secret
+                env,
+                role="p",
+                shape=P_SHAPE,
+                seed=P_SEED,
+                transport="nixl",
+                secret=p_secret,
+                options=options,
             )
             self.d = RemoteWorker(
-                env, role="d", shape=D_SHAPE, seed=None, transport="nixl", secret=d_secret
+                env,
+                role="d",
+                shape=D_SHAPE,
+                seed=None,
+                transport="nixl",
+                secret=d_secret,
+                options=options,
             )
         self.source = self.p.address()
 
@@ -212,18 +231,24 @@ def test_peer_with_another_secret_is_refused(transport: str) -> None:
 
 
 @pytest.mark.parametrize("transport", ["nixl", "nixl-tcp"])
-def test_p_process_death_fails_d_within_the_peer_timeout(transport: str) -> None:
-    pair = Pair(transport, None, None)
+def test_p_process_death_fails_d_once_p_write_horizon_passed(transport: str) -> None:
+    """A lost P is not known to have stopped: D hands its blocks back only once P's advertised
+    write horizon (lease + write timeout + margin) has passed since the connection closed."""
+    pair = Pair(transport, None, None, options={"write_timeout": 1.0})
     try:
+        horizon = 2.0 + 1.0 + 1.0  # peer_timeout + write_timeout + margin
         (request,) = make_requests(random.Random(9), 1, "k")
         pair.d.expect(pair.source, [request])
         wait_until_registered(pair)
         pair.p.kill()
         started = time.monotonic()
-        (event,) = pair.d.events(1, timeout=10.0)
+        (event,) = pair.d.events(1, timeout=horizon + 10.0)
+        waited = time.monotonic() - started
         assert event["outcome"] == "failed"
         assert "lost P" in event["reason"]
-        assert time.monotonic() - started < 5.0
+        assert "write horizon" in event["reason"]
+        assert waited >= horizon - 0.5, f"D gave up after {waited:.1f}s, inside P's horizon"
+        pair.verify([])
     finally:
         pair.close()
 

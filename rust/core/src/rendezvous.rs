@@ -1329,8 +1329,7 @@ mod tests {
         waiting(table.register(key("lost-1"), 1, "lost", c.at(100), c.at(0)));
         waiting(table.register(key("lost-2"), 1, "lost", c.at(100), c.at(0)));
         waiting(table.register(key("kept"), 1, "alive", c.at(100), c.at(0)));
-        let mut purged: Vec<_> =
-            table.purge(|r| *r == "lost", c.at(1)).into_iter().map(|(k, e, r)| (k, e, r)).collect();
+        let mut purged: Vec<_> = table.purge(|r| *r == "lost", c.at(1));
         purged.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
         assert_eq!(purged, vec![(key("lost-1"), 1, "lost"), (key("lost-2"), 1, "lost")]);
         assert_eq!(table.len(), 1);
