@@ -247,7 +247,7 @@ class Endpoint:
         peer_timeout: float = 5.0,
         connect_timeout: float = 3.0,
         insecure: bool = False,
-        max_registrations_per_peer: int = 16384,
+        max_registrations_per_host: int = 16384,
     ) -> None: ...
     @property
     def address(self) -> str: ...

@@ -921,3 +921,33 @@ fn heartbeats_echo_each_others_clock_and_prove_liveness() {
     decode.close();
     assert!(p_events.wait_for(|| prefill.proof_age(d.id).is_none()));
 }
+
+#[test]
+fn a_frame_replayed_on_another_connection_is_refused() {
+    let mut prefill_config = config("prefill-0");
+    prefill_config.secret = Some(secret(1));
+    let (prefill, p_events) = start(prefill_config);
+    let mut first = RawPeer::connect(prefill.local_addr(), Some(secret(1)));
+    first.handshake();
+    let cancel = Message::Cancel(Cancel {
+        transfer_key: "xfer-9".into(),
+        request_id: "req-9".into(),
+        epoch: 1,
+    });
+    let frame = first.encoder.encode(&cancel, unix_millis());
+    first.socket.write_all(&frame).expect("write");
+    assert!(
+        p_events.wait_for(|| p_events.has(|e| matches!(e, Event::Message(_, m) if *m == cancel)))
+    );
+    // The same bytes on a second (authenticated) connection: the receiver has seen them.
+    let mut second = RawPeer::connect(prefill.local_addr(), Some(secret(1)));
+    second.handshake();
+    second.socket.write_all(&frame).expect("write");
+    assert!(p_events.wait_for(|| p_events.refusals().contains(&"replayed".to_owned())));
+    let delivered = p_events
+        .events()
+        .iter()
+        .filter(|e| matches!(e, Event::Message(_, m) if *m == cancel))
+        .count();
+    assert_eq!(delivered, 1, "a replayed frame was delivered twice");
+}

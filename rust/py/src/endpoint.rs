@@ -169,7 +169,7 @@ impl Endpoint {
         nixl_progress_thread = false, device = None, bind = "127.0.0.1:0", secret = None,
         compatibility = "",
         write_timeout = 10.0, heartbeat_interval = 1.0, peer_timeout = 5.0, connect_timeout = 3.0,
-        insecure = false, max_registrations_per_peer = 16_384
+        insecure = false, max_registrations_per_host = 16_384
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -190,7 +190,7 @@ impl Endpoint {
         peer_timeout: f64,
         connect_timeout: f64,
         insecure: bool,
-        max_registrations_per_peer: usize,
+        max_registrations_per_host: usize,
     ) -> PyResult<Self> {
         // A host name (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST defaults to "localhost") is resolved
         // here, once; the first address it resolves to is the one listened on.
@@ -212,7 +212,7 @@ impl Endpoint {
         config.peer_timeout = seconds(peer_timeout, "peer_timeout")?;
         config.connect_timeout = seconds(connect_timeout, "connect_timeout")?;
         config.allow_insecure = insecure;
-        config.max_registrations_per_peer = max_registrations_per_peer;
+        config.max_registrations_per_host = max_registrations_per_host;
         // Unique per process and per endpoint: P counts its peers' agents by name, so two D
         // replicas with one engine id, or a restarted D, must never share one.
         let name = agent_name.unwrap_or_else(|| {

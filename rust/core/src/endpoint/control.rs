@@ -5,12 +5,15 @@
 //! never queues behind the writer; only a match (or a reply to send) is handed to the writer.
 //!
 //! Every registration belongs to the authenticated peer that made it (its [`Owner`]: D's engine
-//! id and process-unique agent name): no other peer can supersede or cancel it. Each connection
-//! holds at most `quota` registrations at once, counted by the [`Slot`] each one carries.
+//! id and process-unique agent name): no other peer can supersede or cancel it. The peers of one
+//! host hold at most `quota` registrations at once between them, counted by the [`Slot`] each
+//! registration carries, so that no host (however many connections or engine ids it opens) can
+//! fill the table that every other D shares.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -45,7 +48,7 @@ impl Drop for Slot {
 #[derive(Debug, Clone)]
 struct PeerEntry {
     owner: Owner,
-    /// Registrations of this connection held now.
+    /// Registrations held now by every peer of this one's host.
     held: Arc<AtomicUsize>,
 }
 
@@ -55,6 +58,9 @@ pub(crate) struct Control {
     compatibility: String,
     quota: usize,
     peers: Mutex<HashMap<PeerId, PeerEntry>>,
+    /// Each host's registration count, shared by its peers' entries. One small entry per host
+    /// that ever authenticated.
+    hosts: Mutex<HashMap<IpAddr, Arc<AtomicUsize>>>,
 }
 
 /// The owner of every registration a peer with this Hello makes.
@@ -68,7 +74,13 @@ pub(crate) fn owner_of(hello: &Hello) -> Owner {
 
 impl Control {
     pub(crate) fn new(shared: Arc<Shared>, compatibility: String, quota: usize) -> Self {
-        Self { shared, compatibility, quota, peers: Mutex::new(HashMap::new()) }
+        Self {
+            shared,
+            compatibility,
+            quota,
+            peers: Mutex::new(HashMap::new()),
+            hosts: Mutex::new(HashMap::new()),
+        }
     }
 
     fn refuse(&self, peer: PeerId, register: &Register, reason: FailReason, detail: String) {
@@ -93,8 +105,8 @@ impl Control {
         if entry.held.fetch_add(1, Ordering::Relaxed) >= self.quota {
             entry.held.fetch_sub(1, Ordering::Relaxed);
             let detail = format!(
-                "transfer {}: this D connection already holds {} registrations on P; finish or \
-                 cancel some, or raise max_registrations_per_peer",
+                "transfer {}: D's host already holds {} registrations on P; finish or cancel \
+                 some, or raise max_registrations_per_host",
                 register.transfer_key, self.quota
             );
             self.refuse(peer, &register, FailReason::Refused, detail);
@@ -168,7 +180,8 @@ impl ControlHandler for Control {
             ));
         }
         self.shared.health()?;
-        let entry = PeerEntry { owner: owner_of(hello), held: Arc::new(AtomicUsize::new(0)) };
+        let held = Arc::clone(lock(&self.hosts).entry(peer.addr.ip()).or_default());
+        let entry = PeerEntry { owner: owner_of(hello), held };
         lock(&self.peers).insert(peer.id, entry);
         if self.shared.send(Command::PeerJoined(peer.clone())) {
             Ok(())

@@ -76,8 +76,9 @@ pub struct EndpointConfig {
     pub connect_timeout: Duration,
     /// Listen beyond loopback without a secret (see `SideChannelConfig::allow_insecure`).
     pub allow_insecure: bool,
-    /// Most registrations one D connection may hold in P's table at once. Default 16,384.
-    pub max_registrations_per_peer: usize,
+    /// Most registrations the D peers of one host may hold in P's table at once (a quarter of
+    /// the table by default: 16,384).
+    pub max_registrations_per_host: usize,
 }
 
 impl EndpointConfig {
@@ -96,7 +97,7 @@ impl EndpointConfig {
             peer_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
             allow_insecure: false,
-            max_registrations_per_peer: 16_384,
+            max_registrations_per_host: 16_384,
         }
     }
 
@@ -345,7 +346,7 @@ impl Endpoint {
         let control = Arc::new(Control::new(
             Arc::clone(&shared),
             config.compatibility.clone(),
-            config.max_registrations_per_peer,
+            config.max_registrations_per_host,
         ));
         let mut side_config = SideChannelConfig::new(
             config.bind,

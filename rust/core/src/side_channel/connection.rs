@@ -11,7 +11,7 @@ use std::time::Instant;
 use super::frames::{FrameError, FrameReader};
 use super::{lock, PeerId, PeerInfo, Shared, SideChannelConfig};
 use crate::protocol::{
-    unix_millis, Attach, Decoder, Encoder, ErrorReply, Heartbeat, Hello, Message, ProtocolError,
+    unix_millis, Attach, Encoder, ErrorReply, Heartbeat, Hello, Message, ProtocolError,
     MAX_REPLY_DETAIL_BYTES,
 };
 
@@ -158,20 +158,17 @@ impl Connection {
     }
 }
 
-/// The receiving half of a connection: frames off the socket and the decoder that checks them.
-/// One decoder per connection, so each peer's replay windows live with its connection.
+/// The receiving half of a connection: frames off the socket. They are checked by the
+/// channel's one decoder (`Shared::decoder`), so that replay windows are per receiver: a frame
+/// accepted on one connection is refused on every other, a later one included.
 #[derive(Debug)]
 pub(super) struct Inbound {
     frames: FrameReader,
-    decoder: Decoder,
 }
 
 impl Inbound {
     pub(super) fn new(config: &SideChannelConfig) -> Self {
-        Self {
-            frames: FrameReader::new(config.limits),
-            decoder: Decoder::new(config.secret.clone(), config.limits),
-        }
+        Self { frames: FrameReader::new(config.limits) }
     }
 }
 
@@ -264,7 +261,7 @@ fn read_handshake(
             }
             Err(other) => return Err(HandshakeError::Closed(describe_end(&other))),
         }
-        let decoded = inbound.decoder.decode(inbound.frames.frame(), unix_millis());
+        let decoded = lock(&shared.decoder).decode(inbound.frames.frame(), unix_millis());
         inbound.frames.consume();
         return match decoded {
             Ok(envelope) => match envelope.message {
@@ -537,7 +534,7 @@ fn serve(shared: &Shared, conn: &Connection, mut inbound: Inbound) -> String {
             }
         }
         last_frame = Instant::now();
-        let decoded = inbound.decoder.decode(inbound.frames.frame(), unix_millis());
+        let decoded = lock(&shared.decoder).decode(inbound.frames.frame(), unix_millis());
         inbound.frames.consume();
         let refusal = match decoded {
             Ok(envelope) => match envelope.message {

@@ -82,7 +82,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use crate::protocol::{Attach, Encoder, Hello, Limits, Message, ProtocolError, Secret};
+use crate::protocol::{Attach, Decoder, Encoder, Hello, Limits, Message, ProtocolError, Secret};
 use connection::{Connection, HandshakeError, Inbound, Start};
 
 /// Identifies one side-channel connection for its whole life; never reused within a channel.
@@ -384,6 +384,9 @@ struct Shared {
     /// The channel clock's origin: heartbeats carry `clock_ms` from it, and peers' echoes of it
     /// prove on this side's own clock when they were last alive.
     origin: Instant,
+    /// Checks every frame this side receives, on any connection: one set of replay windows per
+    /// receiver. Held for one decode (microseconds) at a time.
+    decoder: Mutex<Decoder>,
 }
 
 /// The connections and threads alive, under one lock so that `close` sees every connection and
@@ -427,6 +430,7 @@ impl SideChannel {
         let local_addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             encoder: Encoder::new(config.sender.clone(), config.secret.clone()),
+            decoder: Mutex::new(Decoder::new(config.secret.clone(), config.limits)),
             config,
             hello,
             handler,
