@@ -196,3 +196,29 @@ def test_metrics_are_summed_over_matching_labels() -> None:
     assert servers.metric_value(samples, demo_vllm.CACHED_BY_SOURCE, source="p2p") == 1300
     assert servers.metric_value(samples, demo_vllm.PROMPT_TOKENS) == 1307
     assert servers.metric_value(samples, "absent") == 0
+
+
+def test_a_servers_log_never_shows_its_secret(tmp_path: Path) -> None:
+    secret = "s3cret-value-that-must-not-be-logged"
+    server = servers.VllmServer(
+        "P",
+        Path("model"),
+        tmp_path,
+        port=1,
+        side_channel_port=2,
+        kv_transfer_config={"kv_connector_extra_config": {"secret": secret, "ttl": 5}},
+        extra_env={"KVPUSH_SECRET": secret},
+        extra_args=["--definitely-not-a-vllm-flag"],
+    )
+    server.start()
+    try:
+        assert server.process is not None
+        server.process.wait(timeout=60)
+    finally:
+        server.stop()
+    logged = server.log_text()
+    assert servers.REDACTED in logged
+    assert secret not in logged
+    # The server itself still gets the secret.
+    assert server.environment()["KVPUSH_SECRET"] == secret
+    assert secret in " ".join(server.command())

@@ -41,6 +41,40 @@ SHM = Path("/dev/shm")
 
 Metrics = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
+#: Shown instead of a secret in logs.
+REDACTED = "<redacted>"
+
+
+def redact_value(name: str, value: str) -> str:
+    """``value``, unless the variable ``name`` holds a secret (KVPUSH_SECRET, *_TOKEN, ...)."""
+    upper = name.upper()
+    return REDACTED if any(word in upper for word in ("SECRET", "TOKEN", "PASSWORD")) else value
+
+
+def _redact_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            k: REDACTED if str(k).lower() in {"secret", "token", "password"} else _redact_json(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_redact_json(v) for v in value]
+    return value
+
+
+def redact_command(args: list[str]) -> list[str]:
+    """``args`` as they may be logged: secrets inside JSON-valued flags (the connector's
+    ``kv_connector_extra_config.secret``) replaced by :data:`REDACTED`."""
+    shown = []
+    for arg in args:
+        try:
+            parsed = json.loads(arg) if arg.startswith("{") else None
+        except ValueError:
+            parsed = None
+        shown.append(arg if parsed is None else json.dumps(_redact_json(parsed)))
+    return shown
+
+
 #: Start-up milestones in a vLLM 0.32 server's log, latest first: the phase a server is in is
 #: the first of these its log contains (before any: the interpreter is importing vLLM).
 PHASES: tuple[tuple[str, str], ...] = (
@@ -167,10 +201,13 @@ class VllmServer:
             raise ServerError(f"{self.name}: already started (pid {self.process.pid})")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._shm_before = shm_entries()
-        settings = " ".join(f"{k}={v}" for k, v in sorted(self.server_environment().items()))
+        settings = " ".join(
+            f"{k}={redact_value(k, v)}" for k, v in sorted(self.server_environment().items())
+        )
         with self.log_path.open("wb") as log:
             confined = f"\n# confined to CPUs {self.cpu}" if self.confined else ""
-            log.write(f"# {' '.join(self.command())}\n# {settings}{confined}\n".encode())
+            shown = " ".join(redact_command(self.command()))
+            log.write(f"# {shown}\n# {settings}{confined}\n".encode())
             log.flush()
             self.started_at = time.monotonic()
             self.process = subprocess.Popen(
