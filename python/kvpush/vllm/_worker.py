@@ -104,6 +104,10 @@ class WorkerConfig:
     receive_timeout: float
     transport: str
     model_fingerprint: str
+    #: The endpoint's timeouts (s): see docs/operations.md, "The fence".
+    write_timeout: float = 10.0
+    peer_timeout: float = 5.0
+    heartbeat_interval: float = 1.0
 
 
 def compatibility(model_fingerprint: str, cache: CacheLayout) -> str:
@@ -164,6 +168,9 @@ class PushWorker:
                 bind=f"{self._config.side_channel_host}:{port}",
                 secret=self._config.secret,
                 insecure=self._config.insecure,
+                write_timeout=self._config.write_timeout,
+                peer_timeout=self._config.peer_timeout,
+                heartbeat_interval=self._config.heartbeat_interval,
                 compatibility=compatibility(self._config.model_fingerprint, cache),
             )
         self._clock_offset = time.time() - self._endpoint.clock()

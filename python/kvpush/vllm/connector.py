@@ -18,7 +18,9 @@ port + r), ``secret`` (or env ``KVPUSH_SECRET``: HMAC-sign every control message
 it both ways before any NIXL metadata moves; required to listen beyond loopback unless
 ``insecure`` is true or ``KVPUSH_INSECURE=1``),
 ``kv_lease_duration`` (s P keeps finished KV for D, default 30), ``receive_timeout`` (s D waits
-for KV, default 120), ``transport`` (``nixl``, or ``loopback`` for in-process tests).
+for KV, default 120), ``write_timeout`` / ``peer_timeout`` / ``heartbeat_interval`` (s, defaults
+10 / 5 / 1: the write horizon, see docs/operations.md), ``transport`` (``nixl``, or ``loopback``
+for in-process tests).
 """
 
 from __future__ import annotations
@@ -181,6 +183,9 @@ def _worker_config(vllm_config: VllmConfig) -> WorkerConfig:
         secret=secret.encode() if isinstance(secret, str) else secret,
         insecure=_flag(extra.get("insecure", os.environ.get("KVPUSH_INSECURE", ""))),
         ttl=float(extra.get("kv_lease_duration", 30.0)),
+        write_timeout=float(extra.get("write_timeout", 10.0)),
+        peer_timeout=float(extra.get("peer_timeout", 5.0)),
+        heartbeat_interval=float(extra.get("heartbeat_interval", 1.0)),
         receive_timeout=float(extra.get("receive_timeout", 120.0)),
         transport=str(extra.get("transport", "nixl")),
         model_fingerprint=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}",
