@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 import pytest
 
@@ -52,3 +54,20 @@ def nixl_or_skip() -> None:
         if os.environ.get("KVPUSH_REQUIRE_NIXL"):
             raise
         pytest.skip(f"NIXL is not installed: {error}")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The fault matrix's table (time to each side's outcome, canary), when it ran."""
+    faults = sys.modules.get("tests.test_faults")
+    rows = getattr(faults, "REPORT", None)
+    if not rows:
+        return
+    terminalreporter.section("fault matrix: time to outcome and canary")
+    columns = ["case", "d_outcome", "d_seconds", "p_outcome", "p_seconds", "canary"]
+    terminalreporter.write_line(" | ".join(columns))
+    for row in rows:
+        terminalreporter.write_line(" | ".join(str(row.get(c, "-")) for c in columns))
+    path = os.environ.get("KVPUSH_FAULT_REPORT")
+    if path:
+        with open(path, "w", encoding="utf-8") as out:
+            out.writelines(json.dumps(row) + "\n" for row in rows)

@@ -225,11 +225,46 @@ class Worker:
     def stats(self) -> dict[str, int]:
         return self.endpoint.stats()
 
+    def write_horizon(self) -> float:
+        return self.endpoint.write_horizon
+
     def pending(self) -> int:
         return self.endpoint.pending
 
     def close(self) -> None:
         self.endpoint.close()
+
+
+#: A worker process whose environment names a network namespace (``ip netns`` name) enters it
+#: before anything opens a socket: P and D then run as two hosts (tests/test_netns.py).
+NETNS_ENV = "KVPUSH_TEST_NETNS"
+
+
+def enter_netns(name: str) -> None:
+    """Moves this process (its calling thread, before any other starts) into netns ``name``, as
+    ``ip netns exec`` does: the network namespace, and a private /sys that shows its devices
+    (UCX finds network devices there)."""
+    import ctypes
+    import os
+
+    clone_newnet, clone_newns = 0x40000000, 0x00020000
+    ms_rec, ms_slave, mnt_detach = 0x4000, 0x80000, 2
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{what} for network namespace {name}: {os.strerror(errno)}")
+
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        check(libc.setns(fd, clone_newnet), "setns")
+    finally:
+        os.close(fd)
+    check(libc.unshare(clone_newns), "unshare(CLONE_NEWNS)")
+    check(libc.mount(None, b"/", None, ms_rec | ms_slave, None), "mount --make-rslave /")
+    check(libc.umount2(b"/sys", mnt_detach), "umount /sys")
+    check(libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None), "mount sysfs")
 
 
 def _serve(connection: Connection, kwargs: dict[str, Any], env: dict[str, str]) -> None:
@@ -238,6 +273,8 @@ def _serve(connection: Connection, kwargs: dict[str, Any], env: dict[str, str]) 
 
     os.environ.update(env)
     try:
+        if env.get(NETNS_ENV):
+            enter_netns(env[NETNS_ENV])
         worker = Worker(**kwargs)
         connection.send(("ok", worker.address()))
     except BaseException:

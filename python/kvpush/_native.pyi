@@ -248,6 +248,7 @@ class Endpoint:
         connect_timeout: float = 3.0,
         insecure: bool = False,
         max_registrations_per_host: int = 16384,
+        delivery_bound: float | None = None,
     ) -> None: ...
     @property
     def address(self) -> str: ...

@@ -255,8 +255,8 @@ impl RawPeer {
         assert!(theirs.agent_metadata.is_empty(), "no agent metadata before we proved anything");
         self.send(&Message::Attach(Attach { echo: theirs.nonce, agent_metadata: vec![7; 300] }));
         match self.receive() {
-            Some(Message::Heartbeat(_)) => theirs,
-            other => panic!("expected the channel's welcome heartbeat, got {other:?}"),
+            Some(Message::Attach(welcome)) if welcome.echo == 41 => theirs,
+            other => panic!("expected the channel's welcome attach, got {other:?}"),
         }
     }
 
@@ -313,8 +313,8 @@ fn handshake_delivers_each_sides_hello_to_the_other() {
     let (decode, d_events) = start(config("decode-0"));
 
     let p = decode.connect(&prefill.local_addr().to_string()).expect("handshake");
-    // D never needs P's agent metadata, so P's Hello carries none.
-    assert!(p.hello.agent_metadata.is_empty());
+    // P's metadata reached D (in P's welcome Attach, after D proved itself).
+    assert_eq!(p.hello.agent_metadata, hello("prefill-0").agent_metadata);
     assert_eq!(p.hello, on_the_wire(&hello("prefill-0"), &p.hello));
     assert_eq!(p.addr, prefill.local_addr());
     assert_eq!(d_events.joined(), vec![p.clone()]);

@@ -74,6 +74,12 @@ pub struct EndpointConfig {
     pub peer_timeout: Duration,
     /// Longest wait for a side channel connection and handshake.
     pub connect_timeout: Duration,
+    /// How long bytes the transport accepted for a WRITE can still land after the write
+    /// completed or was abandoned locally: over UCX's TCP transport, a WRITE "completes" once the
+    /// kernel has the bytes, and a cut link that comes back delivers them until TCP gives up
+    /// retransmitting (`net.ipv4.tcp_retries2`); over RDMA, the queue pair's retry budget; over
+    /// a loopback device, nothing. Part of the write horizon. Default 0 (the loopback transport).
+    pub delivery_bound: Duration,
     /// Listen beyond loopback without a secret (see `SideChannelConfig::allow_insecure`).
     pub allow_insecure: bool,
     /// Most registrations the D peers of one host may hold in P's table at once (a quarter of
@@ -96,17 +102,22 @@ impl EndpointConfig {
             heartbeat_interval: Duration::from_secs(1),
             peer_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
+            delivery_bound: Duration::ZERO,
             allow_insecure: false,
             max_registrations_per_host: 16_384,
         }
     }
 
-    /// How long after D's last proof of life this worker may still be writing into D: no WRITE
-    /// is posted later than `peer_timeout` (the lease) after the proof, none runs longer than
-    /// `write_timeout`, plus a margin for scheduling. Advertised in the Hello; D waits this long
-    /// after losing P before it hands P's destination blocks back.
+    /// How long after D's last proof of life bytes of this worker's may still land in D: no
+    /// WRITE is posted later than `peer_timeout` (the lease) after the proof, none runs longer
+    /// than `write_timeout`, what the transport accepted lands within `delivery_bound`, plus a
+    /// margin for scheduling. Advertised in the Hello; D waits this long after losing P before
+    /// it hands P's destination blocks back.
     pub fn write_horizon(&self) -> Duration {
-        self.peer_timeout.saturating_add(self.write_timeout).saturating_add(HORIZON_MARGIN)
+        self.peer_timeout
+            .saturating_add(self.write_timeout)
+            .saturating_add(self.delivery_bound)
+            .saturating_add(HORIZON_MARGIN)
     }
 }
 

@@ -63,7 +63,7 @@ const DEADLINE_CHECK: Duration = Duration::from_millis(10);
 const DRAIN_ON_CLOSE: Duration = Duration::from_secs(2);
 /// The horizon D assumes for a P whose Hello advertised none (0), and the most it believes: a
 /// P cannot make D hold blocks for longer than this after losing it.
-const MAX_HORIZON: Duration = Duration::from_secs(600);
+const MAX_HORIZON: Duration = Duration::from_secs(3_600);
 
 /// D's registration as P's table holds it.
 #[derive(Debug)]
@@ -367,8 +367,8 @@ impl<T: Transport> Writer<T> {
 
     fn peer_joined(&mut self, info: PeerInfo) {
         let hello = &info.hello;
-        // Only P loads its peers' agents: D never writes, so P's Hello carries no metadata and D
-        // has nothing to load.
+        // Both sides load the peer's agent (P writes into D; D never writes, but NIXL keeps
+        // peers symmetric).
         let agent = if hello.agent_metadata.is_empty() {
             Err(format!("peer {} sent no agent metadata: it cannot be written to", hello.engine_id))
         } else {
@@ -590,6 +590,8 @@ impl<T: Transport> Writer<T> {
     }
 
     /// Gives up on a write: failed once the transport released it, quarantined if it could not.
+    /// Bytes the transport had already handed to the network may still arrive later, within its
+    /// delivery bound, which the advertised horizon includes (`EndpointConfig::delivery_bound`).
     fn abandon(&mut self, w: InFlight, reason: &str) {
         if self.transport.abandon_write(w.write) {
             self.finish(w, Err(format!("{reason}; abandoned")));

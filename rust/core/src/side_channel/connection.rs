@@ -298,24 +298,24 @@ pub(super) fn read_hello(
     }
 }
 
-/// Connector: reads the acceptor's welcome (a heartbeat: it loaded our metadata and joined us)
-/// by `deadline`; from then on frames may be as large as the limits allow.
+/// Connector: reads the acceptor's welcome (its Attach: it loaded our metadata and joined us,
+/// and sends its own) by `deadline`; from then on frames may be as large as the limits allow.
 pub(super) fn read_welcome(
     shared: &Shared,
     conn: &Connection,
     inbound: &mut Inbound,
     deadline: Instant,
-) -> Result<Heartbeat, HandshakeError> {
-    let welcome = read_handshake(shared, conn, inbound, deadline, "heartbeat")?;
+) -> Result<Attach, HandshakeError> {
     inbound.frames.set_max_frame_bytes(shared.config.limits.max_frame_bytes);
-    match welcome {
-        Message::Heartbeat(heartbeat) => Ok(heartbeat),
+    match read_handshake(shared, conn, inbound, deadline, "attach")? {
+        Message::Attach(attach) => Ok(attach),
         _ => unreachable!("read_handshake returns only the kind asked for"),
     }
 }
 
 /// Acceptor: reads the connector's Attach by `deadline`. Its metadata may be large, but the
 /// buffer grows only with the bytes that arrive, and the whole handshake is bounded in time.
+/// (The connector reads ours, the welcome, with [`read_welcome`].)
 fn read_attach(
     shared: &Shared,
     conn: &Connection,
@@ -461,7 +461,11 @@ fn serve_accepted(shared: &Shared, conn: &Connection) -> Option<String> {
         return None;
     }
     // peer_joined accepted it: from here on the peer is owed a peer_lost, whatever happens.
-    let welcome = heartbeat(shared, conn, 0);
+    // The welcome is our own Attach: our agent metadata, for a peer that proved itself.
+    let welcome = Message::Attach(Attach {
+        echo: info.hello.nonce,
+        agent_metadata: shared.hello.agent_metadata.clone(),
+    });
     if let Err(error) = conn.join_and_welcome(&shared.encoder, &welcome, info) {
         return Some(format!("sending our welcome failed: {error}"));
     }

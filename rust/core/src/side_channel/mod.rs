@@ -519,7 +519,12 @@ impl SideChannel {
             .map_err(|error| handshake_error(format!("sending our attach failed: {error}")))?;
         let welcome = connection::read_welcome(shared, &conn, &mut inbound, deadline)
             .map_err(|error| refused(&conn, error))?;
-        connection::heard(shared, &conn, &welcome);
+        if welcome.echo != nonce {
+            connection::wrong_echo(shared, &conn, "attach");
+            return Err(handshake_error(HandshakeError::WrongEcho { what: "attach" }.to_string()));
+        }
+        let mut hello = hello;
+        hello.agent_metadata = welcome.agent_metadata;
         let info = PeerInfo { id: conn.id, addr: peer_addr, hello };
         if let Err(reason) = shared.handler.peer_joined(&info) {
             let reason = format!("this side's handler refused the peer: {reason}");
@@ -650,7 +655,7 @@ impl Shared {
     }
 
     /// Our Hello as it goes on the wire: with this connection's challenge, without agent
-    /// metadata (which goes in the connector's `Attach`, and P's is never needed).
+    /// metadata (each side's goes in its `Attach`, once the other side proved itself).
     fn wire_hello(&self, nonce: u64, echo: u64) -> Hello {
         Hello { agent_metadata: Vec::new(), nonce, echo, ..self.hello.clone() }
     }

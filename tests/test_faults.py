@@ -1,0 +1,478 @@
+"""The fault matrix: kvpush's fence under partitions, pauses, crashes and hostile bytes.
+
+The property every test checks is the fence: **no byte lands in D's cache after D reported the
+receive failed.** D's worker snapshots its whole cache as it takes a failed receive's event
+(``Worker.events``); the test then watches that snapshot for longer than P could still be
+writing (past P's own silence timeout plus a write's timeout) and fails on the first byte that
+changed. Besides the fence, each test bounds when each side's outcome arrives and checks that P
+ends holding no entry for the transfer (``pending() == 0``).
+
+Transports are those of ``test_transfer``: the in-process loopback and NIXL between two
+processes over UCX on loopback (default transports, and ``UCX_TLS=tcp``). Faults that need a
+process of their own (SIGSTOP, SIGKILL) run on NIXL only.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from typing import Any, TypeVar
+
+import pytest
+
+from tests.conftest import nixl_or_skip
+from tests.faults import (
+    LOOPBACK,
+    Direction,
+    PeakRss,
+    Relay,
+    garbage,
+    loopback_address,
+    oversized,
+    paused,
+    silent_prefixes,
+    slowloris,
+    wait_for,
+)
+from tests.peers import RemoteWorker, Request, Worker
+from tests.test_transfer import D_SHAPE, P_SEED, P_SHAPE, TRANSPORTS, make_requests
+
+SECRET = b"shared-secret-of-the-fault-pair"
+HEARTBEAT_INTERVAL = 0.2
+PEER_TIMEOUT = 2.0
+WRITE_TIMEOUT = 2.0
+CONNECT_TIMEOUT = 3.0
+OPTIONS = {
+    "heartbeat_interval": HEARTBEAT_INTERVAL,
+    "peer_timeout": PEER_TIMEOUT,
+    "write_timeout": WRITE_TIMEOUT,
+    "connect_timeout": CONNECT_TIMEOUT,
+}
+# P's write horizon as it advertises it: its lease (peer timeout) + write timeout + 1 s margin.
+HORIZON = PEER_TIMEOUT + WRITE_TIMEOUT + 1.0
+# How long after D's failure event its cache is watched: past the time P takes to notice D is
+# gone (its own peer timeout) plus a posted write's timeout, and then some.
+FENCE_WATCH = PEER_TIMEOUT + WRITE_TIMEOUT + 1.0
+# The latest either side's outcome may come, from the moment the fault makes it due: D notices
+# the silence (peer timeout), waits out P's horizon, plus the 1 s the issue allows.
+OUTCOME_BOUND = PEER_TIMEOUT + HORIZON + 1.0
+#: Each case's measured time to outcome and canary result, printed at the end of the session
+#: (tests/conftest.py) and written to $KVPUSH_FAULT_REPORT as JSON lines when set.
+REPORT: list[dict[str, Any]] = []
+NIXL_TRANSPORTS = [t for t in TRANSPORTS if TRANSPORTS[t] is not None]
+MIB = 1 << 20
+
+T = TypeVar("T")
+
+
+class FaultPair:
+    """A P and a D worker on one transport, D reaching P directly or through a :class:`Relay`."""
+
+    def __init__(self, transport: str, *, relay: bool) -> None:
+        env = TRANSPORTS[transport]
+        case = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0].split("::")[-1]
+        #: This case's line of the report: outcomes, their times, the canary.
+        self.row: dict[str, Any] = {"case": case}
+        self.p: Any
+        self.d: Any
+        if env is None:
+            self.p = Worker("p", P_SHAPE, P_SEED, "loopback", SECRET, OPTIONS)
+            self.d = Worker("d", D_SHAPE, None, "loopback", SECRET, OPTIONS)
+        else:
+            nixl_or_skip()
+            self.p = RemoteWorker(
+                env,
+                role="p",
+                shape=P_SHAPE,
+                seed=P_SEED,
+                transport="nixl",
+                secret=SECRET,
+                options=OPTIONS,
+            )
+            self.d = RemoteWorker(
+                env,
+                role="d",
+                shape=D_SHAPE,
+                seed=None,
+                transport="nixl",
+                secret=SECRET,
+                options=OPTIONS,
+            )
+        self.relay = Relay(self.p.address()) if relay else None
+        self.source = self.relay.address if self.relay else self.p.address()
+
+    def verify(self, delivered: list[Request]) -> None:
+        result = self.d.verify(P_SHAPE, P_SEED, delivered)
+        assert result["wrong"] == 0, f"{result['wrong']} of {result['bytes']} bytes of D are wrong"
+
+    def close(self) -> None:
+        REPORT.append(self.row)
+        try:
+            self.d.close()
+            self.p.close()
+        finally:
+            if self.relay:
+                self.relay.close()
+
+
+@contextmanager
+def fault_pair(transport: str, *, relay: bool = False) -> Iterator[FaultPair]:
+    pair = FaultPair(transport, relay=relay)
+    try:
+        yield pair
+    finally:
+        pair.close()
+
+
+def one_request(seed: int, prefix: str) -> Request:
+    (request,) = make_requests(random.Random(seed), 1, prefix)
+    return request
+
+
+def wait_until_registered(pair: FaultPair, count: int = 1) -> None:
+    assert wait_for(lambda: pair.p.pending() >= count, 10.0), "D's registration never reached P"
+
+
+def receive_outcome(pair: FaultPair, bound: float = OUTCOME_BOUND) -> dict[str, Any]:
+    """D's one event for the transfer, which must come within ``bound`` seconds."""
+    started = time.monotonic()
+    events = pair.d.events(1, timeout=bound)
+    pair.row["d_seconds"] = round(time.monotonic() - started, 2)
+    assert events, f"D reported no outcome within {bound:.0f}s"
+    (event,) = events
+    assert event["role"] == "receive"
+    pair.row["d_outcome"] = event["outcome"]
+    return dict(event)
+
+
+def send_outcome(pair: FaultPair, refused: list[str], bound: float = OUTCOME_BOUND) -> str:
+    """P's outcome for a transfer whose KV it reported ready: the refusal of ``ready``, or its
+    one send event, which must come within ``bound`` seconds."""
+    if refused:
+        pair.row["p_outcome"] = "refused"
+        return f"refused: {refused[0]}"
+    started = time.monotonic()
+    events = pair.p.events(1, timeout=bound)
+    pair.row["p_seconds"] = round(time.monotonic() - started, 2)
+    assert events, f"P reported no outcome within {bound:.0f}s"
+    (event,) = events
+    assert event["role"] == "send"
+    pair.row["p_outcome"] = event["outcome"]
+    return str(event["outcome"])
+
+
+def assert_fenced(pair: FaultPair, request_id: str, seconds: float = FENCE_WATCH) -> None:
+    """No byte of D's cache changes for ``seconds`` after ``request_id``'s failure event."""
+    deadline = time.monotonic() + seconds
+    while True:
+        changed = pair.d.changed_since_failure(request_id)
+        pair.row["canary"] = f"{changed} B changed in {seconds:.0f}s" if changed else "unchanged"
+        assert changed == 0, (
+            f"{changed} bytes landed in D's cache after D reported receive {request_id} failed"
+        )
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.1)
+
+
+def assert_nothing_left_on_p(pair: FaultPair, bound: float = OUTCOME_BOUND) -> None:
+    left = wait_for(lambda: pair.p.pending() == 0, bound)
+    pair.row["p_entries_left"] = 0 if left else pair.p.pending()
+    assert left, (
+        f"P still holds {pair.p.pending()} rendezvous entries {bound:.0f}s after the transfer "
+        "could no longer happen"
+    )
+
+
+def assert_not_delivered(outcome: str) -> None:
+    assert outcome != "done", "P reports a transfer delivered that D reported failed"
+
+
+# ---- partitions and pauses -------------------------------------------------------------------
+
+
+# How the partition falls, as (seconds after the previous stage, direction to black-hole).
+PARTITIONS: dict[str, list[tuple[float, Direction]]] = {
+    # P's bytes are lost, D's arrive, and so does D's close once D gives up on P.
+    "p_to_d": [(0.0, "p_to_d")],
+    # Both sides fall silent at once: which gives up first is a matter of heartbeat phase.
+    "both": [(0.0, "both")],
+    # P's bytes are lost first, D's a second later: D gives up on P a second before P can
+    # notice anything, and P never hears D's close.
+    "p_to_d-then-d_to_p": [(0.0, "p_to_d"), (1.0, "d_to_p")],
+}
+
+
+@pytest.mark.parametrize(
+    "partition",
+    [
+        "p_to_d",
+        "both",
+        "p_to_d-then-d_to_p",
+    ],
+)
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_partition_after_registration_lands_nothing_after_d_fails(
+    transport: str, partition: str
+) -> None:
+    with fault_pair(transport, relay=True) as pair:
+        assert pair.relay is not None
+        request = one_request(10, "part")
+        pair.d.expect(pair.source, [request])
+        wait_until_registered(pair)
+        for delay, direction in PARTITIONS[partition]:
+            time.sleep(delay)
+            pair.relay.blackhole(direction)
+
+        received = receive_outcome(pair)
+        assert received["outcome"] == "failed", received
+        assert pair.relay.swallowed("p_to_d") > 0, "the partition swallowed none of P's bytes"
+
+        refused = pair.p.ready([request])  # P's KV becomes ready after D gave up
+        assert_fenced(pair, request.request_id)
+        assert_not_delivered(send_outcome(pair, refused))
+        assert_nothing_left_on_p(pair)
+
+
+@pytest.mark.parametrize("transport", NIXL_TRANSPORTS)
+def test_p_paused_past_the_peer_timeout_lands_nothing_after_d_fails(transport: str) -> None:
+    with fault_pair(transport) as pair:
+        request = one_request(11, "stop")
+        pair.d.expect(pair.source, [request])
+        wait_until_registered(pair)
+        with paused(pair.p):
+            received = receive_outcome(pair)
+            assert received["outcome"] == "failed", received
+            assert "lost P" in received["reason"], received
+        refused = pair.p.ready([request])  # the first thing P does once it runs again
+        assert_fenced(pair, request.request_id)
+        assert_not_delivered(send_outcome(pair, refused))
+        assert_nothing_left_on_p(pair)
+
+
+# ---- duplicate registration ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_duplicate_registration_at_the_same_epoch_still_delivers(transport: str) -> None:
+    with fault_pair(transport) as pair:
+        request = one_request(12, "dup")
+        pair.d.expect(pair.source, [request])
+        wait_until_registered(pair)
+        pair.d.expect(pair.source, [request])  # the same key at the same epoch, again
+        # Nothing on either side shows the duplicate's arrival; give it time to reach P before
+        # P's KV is ready, so that P's table sees it while it holds the original.
+        time.sleep(0.5)
+        assert pair.p.ready([request]) == []
+
+        received = receive_outcome(pair)
+        assert received["outcome"] == "done", received
+        assert pair.d.events(1, timeout=1.0) == [], "D reported the transfer twice"
+        assert send_outcome(pair, []) == "done"
+        pair.verify([request])
+        assert_nothing_left_on_p(pair)
+
+
+# ---- crashes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", NIXL_TRANSPORTS)
+def test_p_killed_before_registration_fails_d_and_lands_nothing(transport: str) -> None:
+    with fault_pair(transport) as pair:
+        request = one_request(13, "pk")
+        pair.p.kill()
+        pair.d.expect(pair.source, [request])
+        received = receive_outcome(pair)
+        assert received["outcome"] == "failed", received
+        assert "cannot reach P" in received["reason"], received
+        assert_fenced(pair, request.request_id, seconds=1.0)
+        pair.verify([])
+
+
+@pytest.mark.parametrize("transport", NIXL_TRANSPORTS)
+def test_p_killed_after_the_match_delivers_all_or_lands_nothing_after_d_fails(
+    transport: str,
+) -> None:
+    with fault_pair(transport) as pair:
+        request = one_request(14, "pm")
+        pair.d.expect(pair.source, [request])
+        wait_until_registered(pair)
+        assert pair.p.ready([request]) == []  # matched: P's write is queued or posted
+        pair.p.kill()
+        received = receive_outcome(pair)
+        if received["outcome"] == "done":
+            pair.verify([request])
+        else:
+            assert received["outcome"] == "failed", received
+            assert "lost P" in received["reason"], received
+            assert_fenced(pair, request.request_id)
+
+
+@pytest.mark.parametrize("transport", NIXL_TRANSPORTS)
+def test_d_killed_after_registering_leaves_no_entry_on_p(transport: str) -> None:
+    with fault_pair(transport) as pair:
+        request = one_request(15, "dk")
+        pair.d.expect(pair.source, [request], 30.0)  # a ttl well past the bound below
+        wait_until_registered(pair)
+        pair.d.kill()
+        assert_nothing_left_on_p(pair, bound=PEER_TIMEOUT + 3.0)
+
+
+@pytest.mark.parametrize("transport", NIXL_TRANSPORTS)
+def test_p_ready_after_d_was_killed_fails_the_send_and_leaves_no_entry(transport: str) -> None:
+    with fault_pair(transport) as pair:
+        request = one_request(16, "dr")
+        pair.d.expect(pair.source, [request])
+        wait_until_registered(pair)
+        pair.d.kill()
+        outcome = send_outcome(pair, pair.p.ready([request]))
+        assert outcome != "done", "P reports a write into a dead D delivered"
+        assert_nothing_left_on_p(pair)
+
+
+# ---- hostile bytes on P's port ---------------------------------------------------------------
+
+
+class Transfers:
+    """Legitimate transfers from D, one at a time, into blocks disjoint from all the others."""
+
+    def __init__(self, pair: FaultPair, count: int) -> None:
+        self.pair = pair
+        self.unused = make_requests(random.Random(17), count, "h")
+        self.delivered: list[Request] = []
+
+    def one(self) -> None:
+        assert self.unused, "the test ran out of disjoint requests"
+        request = self.unused.pop()
+        self.pair.d.expect(self.pair.source, [request])
+        assert self.pair.p.ready([request]) == []
+        received = receive_outcome(self.pair, bound=10.0)
+        assert received["outcome"] == "done", received
+        assert send_outcome(self.pair, [], bound=10.0) == "done"
+        self.delivered.append(request)
+
+    def during(self, attack: Callable[[], T], at_most: int = 3) -> T:
+        """Runs ``attack`` on a thread while transferring (up to ``at_most`` transfers); returns
+        what it returned."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="attack") as pool:
+            running = pool.submit(attack)
+            for _ in range(at_most):
+                if running.done():
+                    break
+                self.one()
+            return running.result(timeout=60.0)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_hostile_bytes_on_ps_port_leave_transfers_and_ps_memory_alone(transport: str) -> None:
+    with fault_pair(transport) as pair:
+        transfers = Transfers(pair, 16)
+        transfers.one()  # D's side channel to P is up before the hostile traffic starts
+        address = pair.p.address()
+        with PeakRss(pair.p.pid) as rss:
+            answer = transfers.during(lambda: garbage(address, 64 << 10))
+            assert answer.closed, "P kept a connection open that sent garbage as its first frame"
+
+            with silent_prefixes(address, 32, 16 * MIB) as held:
+                transfers.one()
+                assert wait_for(lambda: held.closed_by_peer() == 32, CONNECT_TIMEOUT + 3.0), (
+                    f"P closed {held.closed_by_peer()} of 32 connections that never sent a hello"
+                )
+
+            answer = transfers.during(lambda: oversized(address))
+            assert answer.closed, "P kept a connection open after an oversized length prefix"
+            codes = [reply.get("code") for reply in answer.replies(SECRET)]
+            assert codes == ["oversized"], codes
+
+            answer = transfers.during(lambda: slowloris(address, CONNECT_TIMEOUT + 3.0))
+            assert answer.closed, "P kept a connection open that dripped its hello byte by byte"
+        assert rss.growth < 64 * MIB, f"P's resident memory grew by {rss.growth / MIB:.0f} MiB"
+        transfers.one()  # and D's connection still serves
+        pair.verify(transfers.delivered)
+        assert_nothing_left_on_p(pair)
+
+
+# ---- the tooling itself ----------------------------------------------------------------------
+
+
+@contextmanager
+def echo_server() -> Iterator[str]:
+    """A 127.0.0.1 server that echoes every connection until the peer closes (threads, bounded)."""
+    listener = socket.create_server((LOOPBACK, 0))
+    listener.settimeout(0.05)
+    stop = threading.Event()
+
+    def echo(connection: socket.socket) -> None:
+        with connection:
+            connection.settimeout(0.05)
+            while not stop.is_set():
+                try:
+                    data = connection.recv(1 << 16)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+                connection.sendall(data)
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=echo, args=(connection,), daemon=True).start()
+
+    acceptor = threading.Thread(target=accept, name="echo-accept", daemon=True)
+    acceptor.start()
+    try:
+        yield f"{LOOPBACK}:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        acceptor.join(timeout=2.0)
+        listener.close()
+
+
+def exchange(sock: socket.socket, payload: bytes, wait: float = 2.0) -> bytes:
+    """Sends ``payload`` and returns what comes back within ``wait`` seconds (until the
+    connection ends, which a reset does too)."""
+    received = b""
+    deadline = time.monotonic() + wait
+    with suppress(ConnectionError):
+        sock.sendall(payload)
+        sock.settimeout(0.05)
+        while len(received) < len(payload) and time.monotonic() < deadline:
+            with suppress(TimeoutError):
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                received += chunk
+    return received
+
+
+def test_relay_passes_blackholes_cuts_and_heals() -> None:
+    with echo_server() as target, Relay(target) as relay:
+        host, port = loopback_address(relay.address)
+        with socket.create_connection((host, port), timeout=5.0) as first:
+            assert exchange(first, b"hello") == b"hello"
+            assert wait_for(lambda: relay.passed("d_to_p") == relay.passed("p_to_d") == 5, 2.0)
+
+            relay.blackhole("p_to_d")  # the echo is swallowed; the connection stays open
+            assert exchange(first, b"lost", wait=0.5) == b""
+            assert wait_for(lambda: relay.swallowed("p_to_d") == 4, 2.0)
+            assert relay.connections() == 1
+
+            relay.heal()  # the connection lost bytes: it is reset, new ones pass
+            assert wait_for(lambda: relay.connections() == 0, 2.0)
+        with socket.create_connection((host, port), timeout=5.0) as second:
+            assert exchange(second, b"again") == b"again"
+            relay.cut()
+            assert exchange(second, b"gone", wait=0.5) == b""
+        assert wait_for(lambda: relay.connections() == 0, 2.0)
