@@ -187,16 +187,17 @@ class Worker:
     def cancel(self, request_id: str) -> None:
         self.endpoint.cancel(request_id)
 
-    def events(self, count: int, timeout: float) -> list[dict[str, Any]]:
+    def events(self, count: int, timeout: float, *, snapshot: bool = True) -> list[dict[str, Any]]:
         """Waits (bounded) until ``count`` events arrived; returns all that did.
 
         A receive that ended without its KV snapshots the whole cache as it takes the event, so
-        that :meth:`changed_since_failure` can tell whether any byte landed after it."""
+        that :meth:`changed_since_failure` can tell whether any byte landed after it (unless
+        ``snapshot`` is false: soaks, which take thousands of such events)."""
         deadline = time.monotonic() + timeout
         out: list[dict[str, Any]] = []
         while len(out) < count and time.monotonic() < deadline:
             for e in self.endpoint.wait(0.05):
-                if e.role == "receive" and e.outcome != "done":
+                if snapshot and e.role == "receive" and e.outcome != "done":
                     self.at_failure[e.request_id] = self.cache_copy()
                 out.append(event_dict(e))
         return out

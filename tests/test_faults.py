@@ -256,6 +256,107 @@ def test_p_paused_past_the_peer_timeout_lands_nothing_after_d_fails(transport: s
         assert_nothing_left_on_p(pair)
 
 
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_partition_while_p_writes_delivers_whole_or_lands_nothing_after_d_fails(
+    transport: str,
+) -> None:
+    """P's KV becomes ready inside the partition, while its lease on D is still fresh: either
+    the WRITE lands whole before D reports anything (its DONE travels on NIXL, not the cut side
+    channel), or D fails and nothing lands after."""
+    with fault_pair(transport, relay=True) as pair:
+        assert pair.relay is not None
+        request = one_request(17, "pw")
+        pair.d.expect(pair.source, [request])
+        wait_until_registered(pair)
+        pair.relay.blackhole("both")
+        refused = pair.p.ready([request])
+        received = receive_outcome(pair)
+        if received["outcome"] == "done":
+            pair.verify([request])
+        else:
+            assert received["outcome"] == "failed", received
+            assert_fenced(pair, request.request_id)
+        send_outcome(pair, refused)
+        assert_nothing_left_on_p(pair)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_side_channel_cut_then_a_reconnect_serves_new_transfers(transport: str) -> None:
+    """The connection is reset under a waiting transfer; D reports it only after P's horizon,
+    nothing lands after; D's next request reconnects (the same agent on P, a new connection)
+    and is delivered byte for byte."""
+    with fault_pair(transport, relay=True) as pair:
+        assert pair.relay is not None
+        first, second = make_requests(random.Random(18), 2, "rc")
+        pair.d.expect(pair.source, [first])
+        wait_until_registered(pair)
+        cut_at = time.monotonic()
+        pair.relay.cut()
+        received = receive_outcome(pair)
+        assert received["outcome"] == "failed", received
+        assert time.monotonic() - cut_at >= HORIZON - 0.5, "D gave up inside P's horizon"
+        assert_fenced(pair, first.request_id, seconds=1.0)
+        assert_nothing_left_on_p(pair)
+        refused = pair.p.ready([first])
+        send_outcome(pair, refused)
+        pair.d.expect(pair.source, [second])
+        wait_until_registered(pair)
+        assert pair.p.ready([second]) == []
+        again = receive_outcome(pair)
+        assert again["outcome"] == "done", again
+        pair.verify([second])
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_d_cancels_and_p_acknowledges_before_anything_is_written(transport: str) -> None:
+    """A client disconnect on D: D's blocks are handed back only on P's acknowledgement, and
+    P's KV arriving later is refused at once (P frees it)."""
+    with fault_pair(transport) as pair:
+        request = one_request(19, "dc")
+        pair.d.expect(pair.source, [request])
+        wait_until_registered(pair)
+        pair.d.cancel(request.request_id)
+        received = receive_outcome(pair)
+        assert received["outcome"] == "cancelled", received
+        refused = pair.p.ready([request])
+        assert refused, "P accepted KV for a transfer D cancelled"
+        assert_fenced(pair, request.request_id, seconds=2.0)
+        assert_nothing_left_on_p(pair)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_lease_expiry_ends_each_half_on_its_own(transport: str) -> None:
+    """P's KV that no D registers for, and a D registration P's KV never comes for, each end at
+    their own deadline: P frees its blocks, D fails the request."""
+    with fault_pair(transport) as pair:
+        unclaimed, unready = make_requests(random.Random(20), 2, "lx")
+        assert pair.p.ready([unclaimed], ttl=1.0) == []
+        assert send_outcome(pair, [], bound=1.0 + 2.0) == "cancelled"
+        pair.d.expect(pair.source, [unready], ttl=1.0)
+        received = receive_outcome(pair, bound=1.0 + 3.0)
+        assert received["outcome"] == "failed", received
+        assert_fenced(pair, unready.request_id, seconds=1.0)
+        assert_nothing_left_on_p(pair)
+
+
+@pytest.mark.parametrize("transport", NIXL_TRANSPORTS)
+def test_d_paused_is_a_slow_reader_that_p_lets_go(transport: str) -> None:
+    """D stops reading (SIGSTOP) while registered: P loses it (silence, or a write that blocks)
+    and purges its registration; once D runs again it reports the receive only after P's
+    horizon, and nothing lands after."""
+    with fault_pair(transport) as pair:
+        request = one_request(21, "dp")
+        pair.d.expect(pair.source, [request])
+        wait_until_registered(pair)
+        with paused(pair.d):
+            assert_nothing_left_on_p(pair, bound=PEER_TIMEOUT + 3.0)
+            refused = pair.p.ready([request])
+        received = receive_outcome(pair)
+        assert received["outcome"] == "failed", received
+        assert_fenced(pair, request.request_id)
+        assert_not_delivered(send_outcome(pair, refused))
+
+
 # ---- duplicate registration ------------------------------------------------------------------
 
 

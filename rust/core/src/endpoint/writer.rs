@@ -849,7 +849,8 @@ impl<T: Transport> Writer<T> {
         }
         let received = std::mem::take(&mut self.received);
         for notification in &received {
-            match self.decoder.decode(&notification.payload, unix_millis()) {
+            // DONEs arrive in completion order, not posting order: see `decode_unordered`.
+            match self.decoder.decode_unordered(&notification.payload, unix_millis()) {
                 Ok(envelope) => {
                     if let Message::Done(done) = envelope.message {
                         self.done(&notification.from, done);

@@ -268,6 +268,28 @@ impl Decoder {
     /// [`UnknownKind`](ProtocolError::UnknownKind), [`Malformed`](ProtocolError::Malformed)
     /// body, [`Invalid`](ProtocolError::Invalid) fields.
     pub fn decode(&mut self, frame: &[u8], now_ms: u64) -> Result<Envelope, ProtocolError> {
+        self.decode_checked(frame, now_ms, true)
+    }
+
+    /// [`decode`](Self::decode) without the replay window: the MAC and the clock are checked,
+    /// the (sender, session, seq) is not. For NIXL notifications: each DONE is encoded when its
+    /// WRITE is posted but arrives when the WRITE completes, so DONEs of many concurrent WRITEs
+    /// arrive in any order (more than a window apart), and each names one transfer and epoch,
+    /// which the receiver counts at most once: a replayed DONE can only be a stray.
+    pub fn decode_unordered(
+        &mut self,
+        frame: &[u8],
+        now_ms: u64,
+    ) -> Result<Envelope, ProtocolError> {
+        self.decode_checked(frame, now_ms, false)
+    }
+
+    fn decode_checked(
+        &mut self,
+        frame: &[u8],
+        now_ms: u64,
+        in_order: bool,
+    ) -> Result<Envelope, ProtocolError> {
         let Some(needed) = frame_len(frame, &self.limits)? else {
             return Err(ProtocolError::Truncated { needed: PREFIX_LEN, got: frame.len() });
         };
@@ -311,13 +333,15 @@ impl Decoder {
             };
             secret.verify(&fields, mac)?;
             self.check_clock(envelope.ts_ms, now_ms)?;
-            self.replay.check(&envelope.sender, envelope.session, envelope.seq, now_ms)?;
+            if in_order {
+                self.replay.check(&envelope.sender, envelope.session, envelope.seq, now_ms)?;
+            }
         }
 
         let message = Message::from_body(&envelope.kind, &envelope.body)?;
         message.validate(&self.limits)?;
 
-        if self.secret.is_some() {
+        if self.secret.is_some() && in_order {
             self.replay.accept(&envelope.sender, envelope.session, envelope.seq, envelope.ts_ms);
         }
         Ok(Envelope {
@@ -534,6 +558,32 @@ mod tests {
         }
         let kinds: Vec<_> = samples().iter().map(Message::kind).collect();
         assert_eq!(kinds, Message::KINDS);
+    }
+
+    #[test]
+    fn notifications_decode_in_any_order_but_stay_authenticated() {
+        let (encoder, mut decoder) = signed_pair();
+        let frames: Vec<Vec<u8>> =
+            (0..200).map(|_| encoder.encode(&Message::Done(done()), NOW)).collect();
+        // The newest first, then ones far below any replay window: all accepted unordered.
+        for frame in frames.iter().rev() {
+            assert!(decoder.decode_unordered(frame, NOW).is_ok());
+        }
+        // In order, the same reordering is refused as replays.
+        let (encoder, mut ordered) = signed_pair();
+        let frames: Vec<Vec<u8>> =
+            (0..100).map(|_| encoder.encode(&Message::Done(done()), NOW)).collect();
+        ordered.decode(&frames[99], NOW).unwrap();
+        assert!(matches!(ordered.decode(&frames[0], NOW), Err(ProtocolError::Replayed { .. })));
+        // Forged or stale notifications are still refused.
+        let forged = Encoder::new("p-agent-0", Some(Secret::from_bytes(&[9; 32]).unwrap()));
+        let frame = forged.encode(&Message::Done(done()), NOW);
+        assert!(matches!(decoder.decode_unordered(&frame, NOW), Err(ProtocolError::BadSignature)));
+        let stale = encoder.encode(&Message::Done(done()), NOW - 3_600_000);
+        assert!(matches!(
+            decoder.decode_unordered(&stale, NOW),
+            Err(ProtocolError::ClockSkew { .. })
+        ));
     }
 
     #[test]
