@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.conftest import nixl_or_skip
 from tests.faults import (
     LOOPBACK,
     Direction,
@@ -40,8 +39,8 @@ from tests.faults import (
     slowloris,
     wait_for,
 )
-from tests.peers import RemoteWorker, Request, Worker
-from tests.test_transfer import D_SHAPE, P_SEED, P_SHAPE, TRANSPORTS, make_requests
+from tests.peers import Request
+from tests.test_transfer import TRANSPORTS, Pair, make_requests
 
 SECRET = b"shared-secret-of-the-fault-pair"
 HEARTBEAT_INTERVAL = 0.2
@@ -71,51 +70,22 @@ MIB = 1 << 20
 T = TypeVar("T")
 
 
-class FaultPair:
-    """A P and a D worker on one transport, D reaching P directly or through a :class:`Relay`."""
+class FaultPair(Pair):
+    """``test_transfer``'s P and D pair with the matrix's timeouts, D reaching P directly or
+    through a :class:`Relay`, and this case's line of the report."""
 
     def __init__(self, transport: str, *, relay: bool) -> None:
-        env = TRANSPORTS[transport]
         case = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0].split("::")[-1]
         #: This case's line of the report: outcomes, their times, the canary.
         self.row: dict[str, Any] = {"case": case}
-        self.p: Any
-        self.d: Any
-        if env is None:
-            self.p = Worker("p", P_SHAPE, P_SEED, "loopback", SECRET, OPTIONS)
-            self.d = Worker("d", D_SHAPE, None, "loopback", SECRET, OPTIONS)
-        else:
-            nixl_or_skip()
-            self.p = RemoteWorker(
-                env,
-                role="p",
-                shape=P_SHAPE,
-                seed=P_SEED,
-                transport="nixl",
-                secret=SECRET,
-                options=OPTIONS,
-            )
-            self.d = RemoteWorker(
-                env,
-                role="d",
-                shape=D_SHAPE,
-                seed=None,
-                transport="nixl",
-                secret=SECRET,
-                options=OPTIONS,
-            )
+        super().__init__(transport, SECRET, SECRET, OPTIONS)
         self.relay = Relay(self.p.address()) if relay else None
         self.source = self.relay.address if self.relay else self.p.address()
-
-    def verify(self, delivered: list[Request]) -> None:
-        result = self.d.verify(P_SHAPE, P_SEED, delivered)
-        assert result["wrong"] == 0, f"{result['wrong']} of {result['bytes']} bytes of D are wrong"
 
     def close(self) -> None:
         REPORT.append(self.row)
         try:
-            self.d.close()
-            self.p.close()
+            super().close()
         finally:
             if self.relay:
                 self.relay.close()

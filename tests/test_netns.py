@@ -11,6 +11,7 @@ of tests/test_faults.py cover the property on loopback.
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import time
 from collections.abc import Iterator
@@ -35,7 +36,6 @@ TCP_SPAN = 3.0
 HORIZON = PEER_TIMEOUT + 2.0 + TCP_SPAN + 1.0  # lease + write timeout + TCP's span + margin
 OUTCOME_BOUND = PEER_TIMEOUT + HORIZON + 1.0  # D notices the silence, waits out the horizon, +1
 WATCH = 5.0  # how long D's cache is watched once the link is healed after D's failure
-# Larger blocks than tests/test_transfer's, so that a throttled link is cut inside a WRITE.
 P_SHAPE = CacheShape(layers=4, num_blocks=256, block_tokens=16)
 D_SHAPE = CacheShape(layers=4, num_blocks=128, block_tokens=32)
 
@@ -137,24 +137,20 @@ class HostPair:
 
     def __init__(self, hosts: Hosts) -> None:
         nixl_or_skip()
-        self.p: Any = RemoteWorker(
-            {NETNS_ENV: hosts.p_ns, "UCX_TLS": "tcp", "UCX_NET_DEVICES": hosts.p_dev},
-            role="p",
-            shape=P_SHAPE,
-            seed=P_SEED,
-            transport="nixl",
-            secret=SECRET,
-            options={**OPTIONS, "bind": f"{hosts.p_ip}:0"},
-        )
-        self.d: Any = RemoteWorker(
-            {NETNS_ENV: hosts.d_ns, "UCX_TLS": "tcp", "UCX_NET_DEVICES": hosts.d_dev},
-            role="d",
-            shape=D_SHAPE,
-            seed=None,
-            transport="nixl",
-            secret=SECRET,
-            options={**OPTIONS, "bind": f"{hosts.d_ip}:0"},
-        )
+
+        def worker(role: str, ns: str, dev: str, addr: str, seed: int | None) -> Any:
+            return RemoteWorker(
+                {NETNS_ENV: ns, "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev},
+                role=role,
+                shape=P_SHAPE if role == "p" else D_SHAPE,
+                seed=seed,
+                transport="nixl",
+                secret=SECRET,
+                options={**OPTIONS, "bind": f"{addr}:0"},
+            )
+
+        self.p: Any = worker("p", hosts.p_ns, hosts.p_dev, hosts.p_ip, P_SEED)
+        self.d: Any = worker("d", hosts.d_ns, hosts.d_dev, hosts.d_ip, None)
 
     def close(self) -> None:
         self.d.close()
@@ -174,7 +170,7 @@ def test_a_transfer_crosses_the_link(pair: HostPair) -> None:
     """The baseline: two hosts, a real link, the KV arrives byte for byte; P's advertised
     horizon includes TCP's retransmission span on that link."""
     assert pair.p.write_horizon() == pytest.approx(HORIZON)
-    (request,) = make_requests(__import__("random").Random(1), 1, "ok")
+    (request,) = make_requests(random.Random(1), 1, "ok")
     pair.d.expect(pair.p.address(), [request])
     assert wait_for(lambda: pair.p.pending() == 1, 10.0)
     assert pair.p.ready([request]) == []
@@ -188,8 +184,6 @@ def test_a_transfer_crosses_the_link(pair: HostPair) -> None:
 def test_a_cut_link_lands_nothing_after_d_fails_even_once_healed(
     hosts: Hosts, pair: HostPair, cut: str
 ) -> None:
-    import random
-
     (request,) = make_requests(random.Random(2), 1, "cut")
     pair.d.expect(pair.p.address(), [request])
     assert wait_for(lambda: pair.p.pending() == 1, 10.0), "D's registration never reached P"

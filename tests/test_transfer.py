@@ -43,33 +43,25 @@ class Pair:
         options: dict[str, Any] | None = None,
     ) -> None:
         env = TRANSPORTS[transport]
-        options = options or {}
         self.transport = transport
-        self.p: Any
-        self.d: Any
-        if env is None:
-            self.p = Worker("p", P_SHAPE, P_SEED, "loopback", p_secret, options)
-            self.d = Worker("d", D_SHAPE, None, "loopback", d_secret, options)
-        else:
+        if env is not None:
             nixl_or_skip()
-            self.p = RemoteWorker(
+
+        def worker(role: str, shape: CacheShape, seed: int | None, secret: bytes | None) -> Any:
+            if env is None:
+                return Worker(role, shape, seed, "loopback", secret, options or {})
+            return RemoteWorker(
                 env,
-                role="p",
-                shape=P_SHAPE,
-                seed=P_SEED,
+                role=role,
+                shape=shape,
+                seed=seed,
                 transport="nixl",
-                secret=p_secret,
-                options=options,
+                secret=secret,
+                options=options or {},
             )
-            self.d = RemoteWorker(
-                env,
-                role="d",
-                shape=D_SHAPE,
-                seed=None,
-                transport="nixl",
-                secret=d_secret,
-                options=options,
-            )
+
+        self.p: Any = worker("p", P_SHAPE, P_SEED, p_secret)
+        self.d: Any = worker("d", D_SHAPE, None, d_secret)
         self.source = self.p.address()
 
     def verify(self, delivered: list[Request]) -> None:
