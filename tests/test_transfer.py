@@ -267,3 +267,47 @@ def test_endpoint_binds_a_host_name() -> None:
             )
     finally:
         worker.close()
+
+
+def test_a_side_channel_beyond_loopback_needs_a_secret_or_an_explicit_opt_out() -> None:
+    worker = Worker("p", P_SHAPE, P_SEED, "loopback")
+    try:
+        common: dict[str, Any] = {
+            "memory": worker.cache.memory(),
+            "transport": "loopback",
+            "bind": "0.0.0.0:0",
+        }
+        with pytest.raises(kvpush.exceptions.ConfigError, match="KVPUSH_SECRET"):
+            kvpush.Endpoint("open", worker.cache.layout(), agent_name="open-0", **common)
+        with kvpush.Endpoint(
+            "signed", worker.cache.layout(), agent_name="signed-0", secret=b"x" * 32, **common
+        ) as signed:
+            assert signed.health() is None
+        with kvpush.Endpoint(
+            "opted-out", worker.cache.layout(), agent_name="opted-0", insecure=True, **common
+        ) as opted_out:
+            assert opted_out.address.startswith("0.0.0.0:")
+    finally:
+        worker.close()
+
+
+def test_an_absurd_ttl_is_refused_and_the_endpoint_stays_healthy() -> None:
+    """A TTL from a bad config (~1e19 s) once overflowed the writer's clock and killed it."""
+    pair = Pair("loopback", None, None)
+    try:
+        (request,) = make_requests(random.Random(30), 1, "ttl")
+        with pytest.raises(kvpush.exceptions.ConfigError, match="ttl"):
+            pair.p.endpoint.ready(request.request_id, [list(request.p_blocks)], request.tokens,
+                                  ttl=1e19)  # fmt: skip
+        with pytest.raises(kvpush.exceptions.ConfigError, match="ttl"):
+            pair.d.endpoint.expect(request.request_id, pair.source, [list(request.d_blocks)],
+                                   request.tokens, ttl=1e19)  # fmt: skip
+        assert pair.p.endpoint.health() is None
+        assert pair.d.endpoint.health() is None
+        pair.d.expect(pair.source, [request])
+        assert pair.p.ready([request]) == []
+        (event,) = pair.d.events(1, timeout=10.0)
+        assert event["outcome"] == "done"
+        pair.verify([request])
+    finally:
+        pair.close()
