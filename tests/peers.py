@@ -187,6 +187,25 @@ class Worker:
     def cancel(self, request_id: str) -> None:
         self.endpoint.cancel(request_id)
 
+    def endpoint_expect(
+        self,
+        request_id: str,
+        source: str,
+        blocks: list[int],
+        tokens: int,
+        transfer_id: str | None,
+        epoch: int,
+    ) -> None:
+        """One registration as given (any epoch and transfer id): plays an intruding D."""
+        self.endpoint.expect(
+            request_id, source, [blocks], tokens, transfer_id=transfer_id, epoch=epoch
+        )
+
+    def cache_digest_and_close(self) -> str:
+        digest = self.cache_digest()
+        self.close()
+        return digest
+
     def events(self, count: int, timeout: float, *, snapshot: bool = True) -> list[dict[str, Any]]:
         """Waits (bounded) until ``count`` events arrived; returns all that did.
 

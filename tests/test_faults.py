@@ -39,8 +39,8 @@ from tests.faults import (
     slowloris,
     wait_for,
 )
-from tests.peers import Request
-from tests.test_transfer import TRANSPORTS, Pair, make_requests
+from tests.peers import RemoteWorker, Request, Worker
+from tests.test_transfer import P_SHAPE, TRANSPORTS, Pair, make_requests
 
 SECRET = b"shared-secret-of-the-fault-pair"
 HEARTBEAT_INTERVAL = 0.2
@@ -348,6 +348,51 @@ def test_duplicate_registration_at_the_same_epoch_still_delivers(transport: str)
         assert send_outcome(pair, []) == "done"
         pair.verify([request])
         assert_nothing_left_on_p(pair)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_a_foreign_registration_and_cancel_leave_the_owners_transfer_alone(
+    transport: str,
+) -> None:
+    """Another D (holding the secret) registers the owner's transfer at a higher epoch and then
+    cancels it: both are refused, the owner's KV lands whole, and the intruder gets none."""
+    with fault_pair(transport) as pair:
+        (owner_request,) = make_requests(random.Random(22), 1, "own")
+        intruder = (
+            Worker("x", P_SHAPE, None, "loopback", SECRET, OPTIONS)
+            if TRANSPORTS[transport] is None
+            else RemoteWorker(
+                TRANSPORTS[transport], role="x", shape=P_SHAPE, seed=None, transport="nixl",
+                secret=SECRET, options=OPTIONS,
+            )
+        )  # fmt: skip
+        try:
+            pair.d.expect(pair.source, [owner_request])
+            wait_until_registered(pair)
+            intruder.endpoint_expect(
+                owner_request.request_id + "-x",
+                pair.source,
+                list(owner_request.d_blocks),
+                owner_request.tokens,
+                owner_request.transfer_id,
+                9,
+            )
+            (refused,) = intruder.events(1, timeout=OUTCOME_BOUND, snapshot=False)
+            assert refused["outcome"] == "failed", refused
+            assert "another peer" in refused["reason"], refused
+            intruder.cancel(owner_request.request_id + "-x")
+            assert pair.p.ready([owner_request]) == []
+            received = receive_outcome(pair)
+            assert received["outcome"] == "done", received
+            pair.verify([owner_request])
+            assert intruder.cache_digest() == intruder_digest_of_nothing(), "the intruder got KV"
+        finally:
+            intruder.close()
+
+
+def intruder_digest_of_nothing() -> str:
+    """The digest of an untouched (sentinel-filled) cache of ``P_SHAPE``."""
+    return Worker("y", P_SHAPE, None, "loopback").cache_digest_and_close()
 
 
 # ---- crashes ---------------------------------------------------------------------------------
