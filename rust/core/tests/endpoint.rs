@@ -11,7 +11,7 @@ use kvpush_core::endpoint::{
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::loopback::LoopbackTransport;
 use kvpush_core::planner::DescriptorRun;
-use kvpush_core::protocol::BlockGroup;
+use kvpush_core::protocol::{BlockGroup, Message};
 use kvpush_core::transport::{
     MemoryRegion, MemorySpace, Notification, Transport, TransportError, WriteId, WriteState,
 };
@@ -405,4 +405,63 @@ fn another_peer_cannot_take_over_or_cancel_a_registration() {
     assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
     drop((p, owner, thief));
     assert!(thief_cache.memory.iter().all(|&b| b == 0), "the thief received KV");
+}
+
+/// A P that completes the handshake and then never answers anything (a hung or hostile P).
+struct SilentP;
+
+impl kvpush_core::side_channel::ControlHandler for SilentP {
+    fn peer_joined(&self, _peer: &kvpush_core::side_channel::PeerInfo) -> Result<(), String> {
+        Ok(())
+    }
+    fn message(&self, _peer: kvpush_core::side_channel::PeerId, _message: Message) {}
+    fn peer_lost(&self, _peer: kvpush_core::side_channel::PeerId, _reason: &str) {}
+}
+
+#[test]
+fn a_cancel_p_never_acknowledges_ends_after_the_disconnect_and_the_horizon() {
+    use kvpush_core::side_channel::{SideChannel, SideChannelConfig};
+    let d_cache = Cache::new(16, |_| 0);
+    let d = d_cache.endpoint("ep-d8");
+    let horizon = Duration::from_millis(700);
+    let mut config = SideChannelConfig::new("127.0.0.1:0".parse().unwrap(), "silent-p");
+    config.secret =
+        Some(kvpush_core::protocol::Secret::from_bytes(b"endpoint-test-shared-secret").unwrap());
+    config.heartbeat_interval = Duration::from_millis(100);
+    config.peer_timeout = Duration::from_millis(1_000);
+    let hello = kvpush_core::protocol::Hello {
+        engine_id: "silent-p".into(),
+        tp_rank: 0,
+        tp_size: 1,
+        pp_rank: 0,
+        pp_size: 1,
+        agent_name: "silent-p-agent".into(),
+        agent_metadata: b"not a loadable agent".to_vec(),
+        layout: d_cache.layout(),
+        compatibility: String::new(),
+        versions: vec![kvpush_core::protocol::PROTOCOL_VERSION],
+        memory: MemorySpace::DRAM,
+        nonce: 0,
+        echo: 0,
+        write_horizon_ms: horizon.as_millis() as u64,
+    };
+    let p = SideChannel::start(config, hello, std::sync::Arc::new(SilentP)).unwrap();
+    let mut e = expectation(&d, "req-unacked", &[1, 2], 0, 20);
+    e.source = p.local_addr().to_string();
+    d.expect(e).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while p.peers().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(100)); // the registration is on its way
+    let cancelled_at = Instant::now();
+    d.cancel("req-unacked").unwrap();
+    let received = events(&d, 1);
+    // No ack within P's horizon: D drops the connection, then waits the horizon out once more.
+    assert!(
+        matches!(&received[..], [Event { outcome: Outcome::Cancelled(_), .. }]),
+        "{received:?}"
+    );
+    assert!(cancelled_at.elapsed() >= 2 * horizon, "D ended the cancel inside P's horizon");
+    assert!(p.peers().is_empty(), "D kept proving itself alive to a P that never acknowledged");
 }
