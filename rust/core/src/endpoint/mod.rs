@@ -123,7 +123,7 @@ impl EndpointConfig {
 
 /// Slack in the write horizon for the time between P's lease check and its post, and for clock
 /// rates that differ between hosts.
-const HORIZON_MARGIN: Duration = Duration::from_secs(1);
+pub(crate) const HORIZON_MARGIN: Duration = Duration::from_secs(1);
 
 /// Longest TTL a request may be given (P's hold on its KV, D's wait for it).
 pub const MAX_TTL: Duration = Duration::from_secs(24 * 3_600);
@@ -231,6 +231,9 @@ pub struct Counters {
     pub quarantined_writes: AtomicU64,
     /// Writes not posted because D's proof of life had lapsed (its lease ran out).
     pub lapsed_leases: AtomicU64,
+    /// Writes posted more than the horizon's margin after their lease check (the process was
+    /// stopped in between): they may have landed after D's horizon. Alert on any.
+    pub late_posts: AtomicU64,
 }
 
 impl Counters {
@@ -257,6 +260,8 @@ pub struct Stats {
     pub quarantined_writes: u64,
     /// See [`Counters::lapsed_leases`].
     pub lapsed_leases: u64,
+    /// See [`Counters::late_posts`].
+    pub late_posts: u64,
 }
 
 /// State shared by the engine-facing calls, the side channel's handler and the writer.
@@ -499,6 +504,7 @@ impl Endpoint {
             purged_registrations: c.purged_registrations.load(Ordering::Relaxed),
             quarantined_writes: c.quarantined_writes.load(Ordering::Relaxed),
             lapsed_leases: c.lapsed_leases.load(Ordering::Relaxed),
+            late_posts: c.late_posts.load(Ordering::Relaxed),
         }
     }
 

@@ -18,8 +18,9 @@
 //!   transport cannot release is *quarantined*: P keeps its source blocks for good and tells D,
 //!   which keeps its blocks too (both counted, reported as `Quarantined`).
 //! - D ends a receive without P's word (FAIL, CANCEL_ACK, DONE) only once P's advertised write
-//!   horizon (lease + write timeout + margin) has passed since D stopped proving it is alive,
-//!   i.e. since its connection to P closed. A lost connection is not proof that P stopped.
+//!   horizon (lease + write timeout + the transport's delivery bound + margin) has passed since D
+//!   stopped proving it is alive, i.e. since its connection to P closed. A lost connection is not
+//!   proof that P stopped.
 //! - P drops a lost peer's registrations at once, and refuses to post for a peer it no longer
 //!   has; a reconnect never tears down the NIXL agent the new connection uses (agents are
 //!   reference-counted by name, and names are unique per process).
@@ -43,7 +44,7 @@ use crate::transport::{MemorySpace, Notification, Transport, WriteId, WriteState
 
 use super::control::Slot;
 use super::events::{Event, Outcome, Role, Timeline};
-use super::{Counters, EndpointConfig, Expectation, ReadyKv, Shared};
+use super::{Counters, EndpointConfig, Expectation, ReadyKv, Shared, HORIZON_MARGIN};
 
 /// Poll period while writes are in flight or DONEs awaited.
 const BUSY_POLL: Duration = Duration::from_micros(200);
@@ -556,10 +557,17 @@ impl<T: Transport> Writer<T> {
                 ));
             }
         }
+        let checked = Instant::now();
         let write = self
             .transport
             .post_write(agent, &plan.runs, self.memory, remote, &notification)
             .map_err(|e| (FailReason::WriteError, format!("transfer {key}: {e}")))?;
+        // The horizon's margin covers the moments between the check and the post; a process
+        // stopped right there for longer (SIGSTOP, a VM pause) posted outside it. Nothing can
+        // recall a posted WRITE: count it, so that an operator sees the fence was at risk.
+        if checked.elapsed() > HORIZON_MARGIN {
+            Counters::add(&self.shared.counters.late_posts);
+        }
         let agent = agent.clone();
         *self.agents.entry(agent.clone()).or_insert(0) += 1;
         Ok((write, plan.stats.bytes, runs, agent))
