@@ -107,8 +107,9 @@ impl Connection {
     }
 
     /// Completes the handshake on the accepting side: the peer becomes visible and the welcome
-    /// heartbeat goes out under one hold of the write lock, so that a `send` that finds the peer
-    /// waits for the welcome to be written first, and a peer that has read it is already listed.
+    /// (our Attach) goes out under one hold of the write lock, so that a `send` that finds the
+    /// peer waits for the welcome to be written first, and a peer that has read it is already
+    /// listed.
     fn join_and_welcome(
         &self,
         encoder: &Encoder,
@@ -416,7 +417,7 @@ pub(super) fn run(shared: Arc<Shared>, conn: Arc<Connection>, start: Start) {
 ///
 /// Hello in, our Hello out (answering the connector's challenge and posing ours), Attach in
 /// (answering ours, with the connector's agent metadata), then the handler's say, then the
-/// welcome heartbeat. Nothing the connector sent reaches the handler (nor NIXL) before the
+/// welcome (our own Attach). Nothing the connector sent reaches the handler (nor NIXL) before the
 /// Attach proved it holds the secret and is not a replay.
 fn serve_accepted(shared: &Shared, conn: &Connection) -> Option<String> {
     let deadline = Instant::now() + shared.config.connect_timeout;
