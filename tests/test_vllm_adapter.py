@@ -8,6 +8,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import kvpush
 from kvpush.exceptions import KvPushError, LayoutError
 from kvpush.vllm import _stats, _worker
 from kvpush.vllm._layout import Model, TensorView, layout_from_caches
-from kvpush.vllm._scheduler import ParamsError, PushScheduler
+from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import THREAD_CPUS_ENV, PushWorker, WorkerConfig
 
 HEADS, HEAD = 2, 4  # KV heads per rank, head size (float32)
@@ -89,8 +90,8 @@ D_PARAMS = {
 def test_scheduler_registers_d_blocks_once_and_cancels_aborted_waits() -> None:
     sched = PushScheduler()
     params = dict(D_PARAMS)
-    assert sched.external_tokens(params, prompt_tokens=100, num_computed=32) == (68, True)
-    assert sched.external_tokens({}, 100, 0) == (0, False)
+    assert sched.external_tokens("d-1", params, prompt_tokens=100, num_computed=32) == (68, True)
+    assert sched.external_tokens("d-0", {}, 100, 0) == (0, False)
     sched.allocated("d-1", params, [[4, 7]], num_computed=32, prompt_tokens=100, num_external=68)
     assert params["do_remote_prefill"] is False, "a re-entry must not register twice"
     meta = sched.take_metadata()
@@ -102,10 +103,34 @@ def test_scheduler_registers_d_blocks_once_and_cancels_aborted_waits() -> None:
     assert sched.take_metadata().cancels == ["d-1"]
 
 
-def test_scheduler_refuses_params_without_p_coordinates() -> None:
-    params = {"do_remote_prefill": True, "remote_port": 5600}
-    with pytest.raises(ParamsError, match="remote_host"):
-        PushScheduler().allocated("d-2", params, [[1]], 0, 10, 10)
+@pytest.mark.parametrize(
+    ("params", "complaint"),
+    [
+        ({"do_remote_prefill": True, "remote_port": 5600}, "remote_host"),
+        ({"do_remote_prefill": True, "remote_host": "h"}, "remote_port"),
+        ({"do_remote_prefill": True, "remote_host": "h", "remote_port": "x"}, "integers"),
+        ({"do_remote_prefill": True, "remote_host": "h", "remote_port": 70_000}, "TCP port"),
+        ({"do_remote_prefill": True, "remote_host": ["h"], "remote_port": 1}, "host name"),
+        (
+            {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "tp_size": 0},
+            "tp_size",
+        ),
+    ],
+)
+def test_bad_params_fall_back_to_a_local_prefill_of_that_request_alone(
+    params: dict[str, Any], complaint: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An llm-d-style first request forwards P's answer as is; a bad one must not raise inside
+    the engine's step (that kills EngineCore and every request on it)."""
+    sched = PushScheduler()
+    with caplog.at_level("WARNING", logger="kvpush.vllm"):
+        assert sched.external_tokens("d-bad", params, 10, 0) == (0, False)
+    assert complaint in caplog.text
+    assert "d-bad" in caplog.text
+    assert params["do_remote_prefill"] is False
+    # vLLM then allocates no external tokens: nothing is registered, nothing raised.
+    sched.allocated("d-bad", params, [[1]], 0, 10, 0)
+    assert not sched.take_metadata()
 
 
 def test_scheduler_keeps_p_blocks_until_the_send_is_reported() -> None:

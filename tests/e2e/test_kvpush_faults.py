@@ -8,7 +8,8 @@ share an engine id.
   horizon (plus D's silence timeout and slack), and D keeps serving.
 * Two D replicas with one engine id (as a rolling restart or a copy-pasted config makes them)
   each receive only their own KV: agent names are unique per process, and P counts DONEs and
-  registrations per agent.
+  registrations per agent. A request whose kv_transfer_params lack P's coordinates is
+  prefilled locally, and the engine keeps serving.
 
 Both legs go straight to the servers (``tests.e2e.harness.push_completion``'s shape), not
 through ``kvpush proxy``, which aborts D's leg when P's fails.
@@ -227,3 +228,14 @@ def test_two_d_replicas_sharing_an_engine_id_each_get_their_own_kv(
             assert completion_token_ids(results[n].decode) == reference[n], (
                 f"the replica that asked for the {n}-token prompt got another request's KV"
             )
+        # A router that forwards P's answer as is (llm-d's first, serial request) sends
+        # do_remote_prefill without P's coordinates: that request is prefilled locally, and
+        # the engine keeps serving (it used to die inside the scheduler's step).
+        broken = {
+            **greedy_body(tiny_model, prompts[700]),
+            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False},
+        }
+        answer = replicas[0].post("/v1/completions", broken)
+        assert completion_token_ids(answer) == reference[700]
+        again = push_completion(endpoint, replicas[0], greedy_body(tiny_model, prompts[900]))
+        assert completion_token_ids(again.decode) == reference[900]

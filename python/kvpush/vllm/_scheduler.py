@@ -16,12 +16,15 @@ kv_transfer_params are vLLM's push-proxy contract (``do_remote_prefill``, ``do_r
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 REQUIRED_D_PARAMS = ("remote_host", "remote_port")
+
+logger = logging.getLogger("kvpush.vllm")
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,41 @@ class PushMetadata:
         return bool(self.sends or self.aborts or self.recvs or self.cancels)
 
 
-class ParamsError(ValueError):
-    """kv_transfer_params from the router are missing or malformed."""
+@dataclass(frozen=True)
+class RemoteSource:
+    """Where D finds P, as a request's kv_transfer_params name it."""
+
+    host: str
+    port: int
+    tp_size: int
+
+
+def remote_source(params: Mapping[str, Any]) -> RemoteSource | str:
+    """P's coordinates from ``params``, or what is wrong with them (for the request's log line).
+
+    Everything a router sends is checked here, before vLLM reserves a single block for the
+    remote prefill: a bad request must fail alone, never inside the engine's step, where an
+    exception kills the engine and every request it serves.
+    """
+    missing = [key for key in REQUIRED_D_PARAMS if params.get(key) in (None, "")]
+    if missing:
+        return (
+            f"kv_transfer_params lack {', '.join(missing)}: the router must send P's side "
+            "channel host and port with do_remote_prefill (the fields of P's own answer)"
+        )
+    host = params["remote_host"]
+    if not isinstance(host, str):
+        return f"remote_host must be a host name or address, not {host!r}"
+    try:
+        port = int(params["remote_port"])
+        tp_size = 1 if params.get("tp_size") is None else int(params["tp_size"])
+    except (TypeError, ValueError) as error:
+        return f"remote_port and tp_size must be integers ({error})"
+    if not 0 < port < 65_536:
+        return f"remote_port {port} is not a TCP port"
+    if tp_size < 1:
+        return f"tp_size {tp_size} must be at least 1"
+    return RemoteSource(host, port, tp_size)
 
 
 def _transfer_id(params: Mapping[str, Any]) -> str | None:
@@ -90,10 +126,25 @@ class PushScheduler:
 
     @staticmethod
     def external_tokens(
-        params: Mapping[str, Any] | None, prompt_tokens: int, num_computed: int
+        request_id: str,
+        params: dict[str, Any] | None,
+        prompt_tokens: int,
+        num_computed: int,
     ) -> tuple[int, bool]:
-        """How many prompt tokens P will write (loaded asynchronously), after D's local hit."""
+        """How many prompt tokens P will write (loaded asynchronously), after D's local hit.
+
+        A remote prefill whose kv_transfer_params do not say where P is falls back to a local
+        prefill (0 tokens from P), with a warning naming the request: vLLM's contract lets a
+        connector match nothing, and one bad request must not stop the others.
+        """
         if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        source = remote_source(params)
+        if isinstance(source, str):
+            logger.warning(
+                "kvpush: request %s: %s; prefilling it locally instead", request_id, source
+            )
+            params["do_remote_prefill"] = False
             return 0, False
         count = prompt_tokens - num_computed
         return (count, True) if count > 0 else (0, False)
@@ -110,30 +161,22 @@ class PushScheduler:
         """D's blocks for a remote prefill are allocated: register them with P this step.
 
         ``params["do_remote_prefill"]`` is cleared so a re-entry (preemption) never registers
-        twice with the same epoch.
+        twice with the same epoch. Only params that :meth:`external_tokens` accepted get here
+        with external tokens.
         """
         if not params or not params.get("do_remote_prefill") or num_external <= 0:
             return
-        missing = [key for key in REQUIRED_D_PARAMS if params.get(key) in (None, "")]
-        if missing:
-            raise ParamsError(
-                f"request {request_id}: kv_transfer_params lack {', '.join(missing)}; the router "
-                "must send P's side channel host and port with do_remote_prefill"
-            )
-        try:
-            port = int(params["remote_port"])
-            tp_size = int(params.get("tp_size") or 1)
-        except (TypeError, ValueError) as error:
-            raise ParamsError(f"request {request_id}: bad kv_transfer_params: {error}") from None
+        source = remote_source(params)
+        assert not isinstance(source, str), f"request {request_id}: {source}"
         params["do_remote_prefill"] = False
         self._receiving.add(request_id)
         self._pending.recvs.append(
             RecvRequest(
                 request_id=request_id,
                 transfer_id=_transfer_id(params),
-                remote_host=str(params["remote_host"]),
-                remote_port=port,
-                remote_tp_size=tp_size,
+                remote_host=source.host,
+                remote_port=source.port,
+                remote_tp_size=source.tp_size,
                 blocks=tuple(tuple(group) for group in uncached_blocks),
                 first_token=num_computed,
                 num_tokens=prompt_tokens,

@@ -248,7 +248,9 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         prompt = len(request.prompt_token_ids or ())
-        return self._sched.external_tokens(request.kv_transfer_params, prompt, num_computed_tokens)
+        return self._sched.external_tokens(
+            request.request_id, request.kv_transfer_params, prompt, num_computed_tokens
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
