@@ -1,31 +1,78 @@
 """From vLLM's per-layer KV cache tensors to a :class:`kvpush.KvLayout`.
 
-vLLM hands the connector one tensor per attention layer; its shape depends on the attention
-backend. kvpush describes memory as regions of blocks with heads in NHD or HND order, so each
-known shape maps onto that model:
+kvpush describes memory as regions of kernel blocks whose heads are in NHD or HND order (see
+``rust/core/src/layout.rs``). This module maps what vLLM says about its cache onto that model.
 
-* CPU attention (``CPU_ATTN``): ``[blocks, kv_heads, block_size, 2 * head_size]``. Inside a
-  block the kernels keep, per head, K *transposed* (``[head_size][block_size]``) and then V
-  (``[block_size][head_size]``) (measured with ``cpu_attn_reshape_and_cache``), so one token's
-  K is not contiguous and no token range of a block is a byte range. Such blocks are *opaque*:
-  they move whole, between P and D of the same block size, which :class:`CacheLayout` says with
-  ``whole_blocks``. The layout presents a block as ``block_size`` rows of equal bytes so that
-  the planner's whole-block runs are exact.
-* FlashAttention-style: ``[2, blocks, block_size, kv_heads, head_size]`` (K and V halves), in
-  NHD order, or HND when the strides say heads are outermost inside a block.
-* FlashInfer-style: ``[blocks, 2, block_size, kv_heads, head_size]``.
+**vLLM >= 0.28** describes its cache itself. ``allocate_kv_cache`` / ``create_kv_cache_views``
+(``vllm/v1/worker/utils.py``, ``vllm/v1/kv_cache_interface.py``) carve every layer out of one
+backing buffer as a ``[B, H, N, C]`` view (kernel blocks, head slots, tokens, one head's bytes of
+one token) whose strides follow the resolved ``KVCacheLayout``, a permutation of the logical
+``[L, B, H, N, C]`` (``vllm/v1/kv_cache_layout.py``). :class:`Model` carries that layout's name
+and the attention backends; :func:`layout_from_caches` checks each view against the permutation
+and refuses, naming the layout, a tensor that does not follow it. Then:
+
+* **C is one token's cell** (K then V; MLA's latent and rope as one cell) for the backends in
+  :data:`TOKEN_CELL_BACKENDS`, whose kernels split C per token (FlashAttention and Triton:
+  ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``; FlashInfer: ``split(hs, dim=-1)``).
+  Tokens move one by one, so P and D may use different block sizes. Heads are sliced between
+  different tensor parallel sizes when a block holds ``[H][N][C]`` (``LBHNC``, ``BLHNC``: the
+  planner's HND); ``[N][H][C]`` (``LBNHC``, ``BLNHC``: NHD) and layouts that put blocks or layers
+  between a layer's heads (``LHBNC``, ``BHLNC``: one region per layer and head) need equal tensor
+  parallel sizes, which :meth:`CacheLayout.agreement` makes part of the handshake. MLA's single
+  latent is replicated on every rank, so its layout is rank-independent.
+* **Blocks are opaque** otherwise: CPU attention (``CPU_ATTN``) keeps, per head, K *transposed*
+  (``[head_size][block_size]``) and then V inside C's block (measured with
+  ``cpu_attn_reshape_and_cache``), so no token range of a block is a byte range; a backend not
+  listed, or head slots that are not KV heads (FlashInfer's NVFP4 keeps K and V as separate
+  slots), is treated the same way. Such blocks move whole, between P and D of the same block
+  size (``whole_blocks``); each block unit the permutation keeps contiguous is one region.
+
+**Older vLLM** gave no layout; :class:`Model` without one falls back to the shapes it used (the
+CPU shape above, FlashAttention's ``[2, B, N, H, D]``, FlashInfer's ``[B, 2, N, H, D]``).
 
 Only shapes, strides, element sizes and addresses are read (:class:`TensorView`), so this module
-needs no torch and is tested without vLLM.
+needs neither torch nor vLLM and is tested without them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import kvpush
 from kvpush.exceptions import LayoutError
+
+#: vLLM's ``KVCacheLayout`` members (``vllm/v1/kv_cache_layout.py``): for each, the physical
+#: (memory) order, outermost first, of the logical axes ``[L, B, H, N, C]`` numbered 0..4.
+KV_CACHE_LAYOUTS: dict[str, tuple[int, ...]] = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+
+#: Attention backends (``AttentionBackend.get_name()``) whose C holds one token's state of one
+#: head slot and nothing of other tokens: their blocks can be split by token.
+TOKEN_CELL_BACKENDS = frozenset(
+    {
+        "FLASH_ATTN",
+        "FLASHINFER",
+        "TRITON_ATTN",
+        "FLEX_ATTENTION",
+        "FLASHMLA",
+        "FLASH_ATTN_MLA",
+        "FLASHINFER_MLA",
+        "CUTLASS_MLA",
+        "TRITON_MLA",
+        "ROCM_AITER_MLA",
+    }
+)
+
+# Axes of a layer view [B, H, N, C].
+_B, _H, _N, _C = range(4)
 
 
 @dataclass(frozen=True)
@@ -62,17 +109,59 @@ class Model:
 
     kv_heads: int
     head_size: int
+    #: Tokens per block of vLLM's scheduler (``cache_config.block_size``).
     block_size: int
     tp_rank: int = 0
     tp_size: int = 1
+    #: The resolved ``KVCacheLayout`` name (``cache_config.get_resolved_kv_cache_layout()``);
+    #: None for a vLLM before 0.28, whose tensors are read by shape.
+    kv_cache_layout: str | None = None
+    #: The attention backends' names (``get_name()``) of the layers with a KV cache.
+    backends: tuple[str, ...] = ()
+    #: MLA: one latent "head" per token, the same on every tensor parallel rank.
+    use_mla: bool = False
+
+    @classmethod
+    def from_vllm(cls, vllm_config: object, tp_rank: int) -> Model:
+        """From a worker's ``VllmConfig`` once the layout is resolved (the connector's
+        construction, ``initialize_from_config``). Duck-typed: this module imports no vLLM."""
+        cfg = vllm_config
+        model = cfg.model_config  # type: ignore[attr-defined]
+        parallel = cfg.parallel_config  # type: ignore[attr-defined]
+        cache = cfg.cache_config  # type: ignore[attr-defined]
+        compilation = cfg.compilation_config  # type: ignore[attr-defined]
+        backends = {
+            layer.get_attn_backend().get_name()
+            for layer in compilation.static_forward_context.values()
+            if callable(getattr(layer, "get_attn_backend", None))
+        }
+        resolved = getattr(cache, "get_resolved_kv_cache_layout", None)  # vLLM >= 0.28
+        return cls(
+            kv_heads=model.get_num_kv_heads(parallel),
+            head_size=model.get_head_size(),
+            block_size=cache.block_size,
+            tp_rank=tp_rank,
+            tp_size=parallel.tensor_parallel_size,
+            kv_cache_layout=resolved().name if resolved is not None else None,
+            backends=tuple(sorted(backends)),
+            use_mla=bool(model.use_mla),
+        )
 
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """A worker's layout, and whether its blocks may only move whole (see the module docs)."""
+    """A worker's layout, whether its blocks may only move whole, and whether its heads can be
+    sliced between different tensor parallel sizes (see the module docs)."""
 
     layout: kvpush.KvLayout
     whole_blocks: bool
+    #: The memory the regions address: the views' spans, overlaps merged (layers interleaved in
+    #: one buffer by the block-outermost layouts overlap), as ``(address, bytes)``.
+    memory: tuple[tuple[int, int], ...] = ()
+    #: Whether P and D may hold different head shares (tensor parallel sizes).
+    slices_heads: bool = False
+    #: Why blocks are opaque, for the startup log; None when tokens move one by one.
+    opaque_because: str | None = None
 
     def tokens_to_write(self, num_tokens: int) -> int:
         """Tokens to ask the planner for: whole blocks when blocks are opaque. The slots past
@@ -82,11 +171,164 @@ class CacheLayout:
         block = self.layout.block_tokens
         return -(-num_tokens // block) * block
 
+    def agreement(self) -> str:
+        """What P and D must share beyond the model's geometry, for the handshake: the block
+        size when blocks move whole, the tensor parallel size when heads cannot be sliced."""
+        terms = []
+        if self.whole_blocks:
+            terms.append(f"whole-blocks-of-{self.layout.block_tokens}")
+        if not self.slices_heads:
+            terms.append(f"tp-{self.layout.tp_size}")
+        return "|".join(terms)
+
 
 def layout_from_caches(views: Sequence[TensorView], model: Model) -> CacheLayout:
     """The layout of one worker's KV caches (one view per layer, in layer order)."""
     if not views:
         raise LayoutError("vLLM registered no KV cache tensors with the connector")
+    if model.kv_cache_layout is not None:
+        return _from_kv_cache_layout(views, model, model.kv_cache_layout)
+    return _from_shapes(views, model)
+
+
+def _from_kv_cache_layout(views: Sequence[TensorView], model: Model, name: str) -> CacheLayout:
+    order = KV_CACHE_LAYOUTS.get(name)
+    if order is None:
+        raise LayoutError(
+            f"KV cache layout {name}: kvpush knows vLLM's {', '.join(KV_CACHE_LAYOUTS)}; "
+            "set VLLM_KV_CACHE_LAYOUT to one of them"
+        )
+    # The view's axes in memory order, outermost first (KVCacheLayout.layer_view_order).
+    view_order = tuple(axis - 1 for axis in order if axis != 0)
+    geometry = {(v.shape[1:], v.element_size) for v in views if len(v.shape) == 4}
+    if len(geometry) > 1:
+        raise LayoutError(
+            f"KV cache layout {name}: layers of different [H, N, C] {sorted(geometry)}; kvpush "
+            "moves one attention spec per worker (hybrid models with several are not supported)"
+        )
+    for v in views:
+        _check_view(v, name, view_order)
+    v0 = views[0]
+    _, heads, kernel_tokens, cell = v0.shape
+    e = v0.element_size
+    cell_bytes = cell * e
+    if model.block_size % kernel_tokens:
+        raise LayoutError(
+            f"KV cache layout {name}: kernel blocks of {kernel_tokens} tokens do not divide "
+            f"vLLM's {model.block_size}-token blocks"
+        )
+    expected_heads = 1 if model.use_mla else model.kv_heads
+    opaque_because = _opaque_because(model, heads, expected_heads)
+    # Where a layer's heads sit: [H][N][C] or [N][H][C] innermost (one region per layer), or
+    # blocks or layers between a head and its tokens (one region per layer and head).
+    inner = tuple(axis - 1 for axis in order[-3:])
+    heads_in_block = inner in ((_H, _N, _C), (_N, _H, _C))
+    for v in views:
+        _check_dense(v, name, inner if heads_in_block else (_N, _C))
+    regions: list[kvpush.Region] = []
+    for v in views:
+        block_stride = v.stride[_B] * e
+        if heads_in_block:
+            regions.append(kvpush.Region(v.data_ptr, block_stride, v.shape[_B]))
+        else:
+            regions.extend(
+                kvpush.Region(v.data_ptr + h * v.stride[_H] * e, block_stride, v.shape[_B])
+                for h in range(heads)
+            )
+    whole_blocks = opaque_because is not None
+    tp_rank, tp_size = (0, 1) if model.use_mla else (model.tp_rank, model.tp_size)
+    if whole_blocks:
+        # A block unit as `kernel_tokens` equal rows: exact for whole blocks, which is all an
+        # opaque block may be copied as.
+        layout_heads = 1
+        head_bytes = heads * cell_bytes if heads_in_block else cell_bytes
+        token_order = "NHD"
+    elif heads_in_block and not model.use_mla:
+        layout_heads, head_bytes = heads, cell_bytes
+        token_order = "HND" if inner == (_H, _N, _C) else "NHD"
+    else:
+        # One head per region, or MLA's one latent in any layout: both orders are the same
+        # bytes, so P and D agree whichever of them their layouts name.
+        layout_heads, head_bytes, token_order = 1, cell_bytes, "HND"
+    layout = kvpush.KvLayout(
+        regions,
+        block_tokens=model.block_size,
+        kernel_block_tokens=kernel_tokens,
+        heads=layout_heads,
+        head_bytes=head_bytes,
+        token_order=token_order,  # type: ignore[arg-type]
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
+    slices_heads = model.use_mla or (not whole_blocks and inner == (_H, _N, _C))
+    return CacheLayout(
+        layout,
+        whole_blocks=whole_blocks,
+        memory=_merged_spans(views),
+        slices_heads=slices_heads,
+        opaque_because=opaque_because,
+    )
+
+
+def _opaque_because(model: Model, heads: int, expected_heads: int) -> str | None:
+    if not model.backends:
+        return "vLLM named no attention backend"
+    if "CPU_ATTN" in model.backends:
+        return "CPU_ATTN keeps each head's K transposed inside a block"
+    others = sorted(set(model.backends) - TOKEN_CELL_BACKENDS)
+    if others:
+        return f"backend {', '.join(others)} is not known to keep one token per C cell"
+    if heads != expected_heads:
+        return f"{heads} head slots per token where the model has {expected_heads} KV heads"
+    return None
+
+
+def _check_view(v: TensorView, name: str, view_order: tuple[int, ...]) -> None:
+    """The view is [B, H, N, C] with C contiguous and its axes nested as the layout says."""
+    if len(v.shape) != 4:
+        raise LayoutError(
+            f"KV cache layout {name}: vLLM's layer caches are [B, H, N, C] views, but a tensor "
+            f"has shape {v.shape}"
+        )
+    if v.stride[_C] != 1:
+        raise LayoutError(
+            f"KV cache layout {name}: the C axis of a [B, H, N, C] view is not contiguous "
+            f"(strides {v.stride})"
+        )
+    for outer, inner in pairwise(view_order):
+        if v.stride[outer] < v.stride[inner] * v.shape[inner]:
+            raise LayoutError(
+                f"KV cache layout {name}: a tensor of shape {v.shape} has strides {v.stride}, "
+                f"which do not nest [B, H, N, C] in {name}'s order; the tensor was not "
+                "allocated for this layout"
+            )
+
+
+def _check_dense(v: TensorView, name: str, inner: tuple[int, ...]) -> None:
+    """The innermost axes, which the planner reads as one block of rows, have no gaps."""
+    expected = 1
+    for axis in reversed(inner):
+        if v.stride[axis] != expected and v.shape[axis] > 1:
+            raise LayoutError(
+                f"KV cache layout {name}: strides {v.stride} of a tensor of shape {v.shape} pad "
+                "the inside of a block, which kvpush cannot address"
+            )
+        expected *= v.shape[axis]
+
+
+def _merged_spans(views: Sequence[TensorView]) -> tuple[tuple[int, int], ...]:
+    spans: list[tuple[int, int]] = []
+    for start, size in sorted((v.data_ptr, v.nbytes) for v in views):
+        if spans and start <= spans[-1][0] + spans[-1][1]:
+            first, last_size = spans[-1]
+            spans[-1] = (first, max(last_size, start + size - first))
+        else:
+            spans.append((start, size))
+    return tuple(spans)
+
+
+def _from_shapes(views: Sequence[TensorView], model: Model) -> CacheLayout:
+    """vLLM before 0.28: recognise the tensors by shape."""
     regions: list[kvpush.Region] = []
     shapes = {_classify(v, model) for v in views}
     if len(shapes) != 1:
@@ -120,7 +362,13 @@ def layout_from_caches(views: Sequence[TensorView], model: Model) -> CacheLayout
         tp_rank=model.tp_rank,
         tp_size=model.tp_size,
     )
-    return CacheLayout(layout, whole_blocks=kind == "cpu")
+    return CacheLayout(
+        layout,
+        whole_blocks=kind == "cpu",
+        memory=_merged_spans(views),
+        slices_heads=order == "HND",
+        opaque_because="CPU attention packs a block's tokens together" if kind == "cpu" else None,
+    )
 
 
 def _classify(v: TensorView, m: Model) -> str:

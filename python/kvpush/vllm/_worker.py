@@ -111,14 +111,14 @@ class WorkerConfig:
 
 
 def compatibility(model_fingerprint: str, cache: CacheLayout) -> str:
-    """What P and D must agree on: the model's KV geometry; block sizes and TP ranks only where
-    kvpush cannot translate between them (opaque blocks move whole, so their size must match)."""
+    """What P and D must agree on: the model's KV geometry; block sizes and TP sizes only where
+    kvpush cannot translate between them (opaque blocks move whole, so their size must match;
+    heads that cannot be sliced need the same share on both sides)."""
     layout = cache.layout
     total_heads = layout.heads * layout.tp_size
-    block = f"|whole-blocks-of-{layout.block_tokens}" if cache.whole_blocks else ""
     digest = hashlib.sha256(
         f"{model_fingerprint}|{len(layout.regions)}|{total_heads}|{layout.head_bytes}|"
-        f"{layout.token_order}{block}|kvpush/{kvpush.PROTOCOL_VERSION}".encode()
+        f"{layout.token_order}|{cache.agreement()}|kvpush/{kvpush.PROTOCOL_VERSION}".encode()
     )
     return digest.hexdigest()[:32]
 
@@ -154,14 +154,18 @@ class PushWorker:
         cache = layout_from_caches(views, self._model)
         layout = cache.layout
         self._cache = cache
-        spans = sorted({(v.data_ptr, v.nbytes) for v in views})
+        if cache.opaque_because is not None:
+            logger.info(
+                "kvpush: KV blocks move whole (P and D need the same block size): %s",
+                cache.opaque_because,
+            )
         port = self._config.side_channel_port + self._model.tp_rank
         cpus = native_thread_cpus()
         with _threads_born_on(cpus):
             self._endpoint = kvpush.Endpoint(
                 self._config.engine_id,
                 layout,
-                memory=spans,
+                memory=list(cache.memory),
                 transport=self._config.transport,  # type: ignore[arg-type]
                 # No agent_name: the endpoint makes one unique to this process, so that two
                 # replicas sharing an engine id, or a restarted worker, never share an agent.

@@ -214,17 +214,11 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        parallel = vllm_config.parallel_config
-        model = vllm_config.model_config
+        # The KV cache layout vLLM resolved, its attention backends and MLA: what the layout
+        # reader needs to read the views instead of guessing from their shapes.
         self._worker = PushWorker(
             _worker_config(vllm_config),
-            Model(
-                kv_heads=model.get_num_kv_heads(parallel),
-                head_size=model.get_head_size(),
-                block_size=vllm_config.cache_config.block_size,
-                tp_rank=get_tensor_model_parallel_rank(),
-                tp_size=parallel.tensor_parallel_size,
-            ),
+            Model.from_vllm(vllm_config, get_tensor_model_parallel_rank()),
         )
 
     # ---- class-level configuration --------------------------------------------------------
