@@ -762,51 +762,32 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     /// one shard's lock at a time; a peer's loss is rare and the table is bounded.
     pub fn purge(&self, lost: impl Fn(&R) -> bool, now: Instant) -> Vec<(TransferKey, Epoch, R)> {
         let mut purged = Vec::new();
-        for shard in self.shards.iter() {
-            let mut shard = lock(shard);
-            let doomed: Vec<(u64, TransferKey)> = shard
-                .entries
-                .iter()
-                .filter(|entry| match &entry.state {
-                    State::Registered { registration, .. }
-                    | State::InFlight { after: AfterWrite::Rematch { registration, .. }, .. } => {
-                        lost(registration)
-                    }
-                    _ => false,
-                })
-                .map(|entry| (entry.key.hash, entry.key.key.clone()))
-                .collect();
-            for (hash, key) in doomed {
-                let Some(taken) = take_entry(&mut shard, hash, &key) else { continue };
-                let state = match taken.state {
-                    State::Registered { epoch, registration, .. } => {
-                        purged.push((key, epoch, registration));
-                        self.fence_from(FenceReason::Cancelled, now)
-                    }
-                    State::InFlight {
-                        epoch: writing,
-                        owner,
-                        ready,
-                        ready_deadline,
-                        after: AfterWrite::Rematch { epoch, registration, .. },
-                        ack_owed,
-                    } => {
-                        purged.push((key, epoch, registration));
-                        let after = AfterWrite::End;
-                        State::InFlight {
-                            epoch: writing,
-                            owner,
-                            ready,
-                            ready_deadline,
-                            after,
-                            ack_owed,
-                        }
-                    }
-                    state => state,
-                };
-                self.settle(&mut shard, taken.key, taken.kind, state, now);
+        let select = |state: &State<R, K>| match state {
+            State::Registered { registration, .. }
+            | State::InFlight { after: AfterWrite::Rematch { registration, .. }, .. } => {
+                lost(registration)
             }
-        }
+            _ => false,
+        };
+        self.rewrite_where(now, select, |key, state| match state {
+            State::Registered { epoch, registration, .. } => {
+                purged.push((key.clone(), epoch, registration));
+                self.fence_from(FenceReason::Cancelled, now)
+            }
+            State::InFlight {
+                epoch: writing,
+                owner,
+                ready,
+                ready_deadline,
+                after: AfterWrite::Rematch { epoch, registration, .. },
+                ack_owed,
+            } => {
+                purged.push((key.clone(), epoch, registration));
+                let after = AfterWrite::End;
+                State::InFlight { epoch: writing, owner, ready, ready_deadline, after, ack_owed }
+            }
+            state => state,
+        });
         purged
     }
 
@@ -815,32 +796,47 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     /// [`expire`](Self::expire) does, so that D can be told and P's blocks freed.
     pub fn drain(&self, now: Instant) -> Vec<Expired<R, K>> {
         let mut drained = Vec::new();
+        let live = |state: &State<R, K>| !matches!(state, State::Fenced { .. });
+        self.rewrite_where(now, live, |key, state| {
+            let (registration, ready, was_matched) = match state {
+                State::Registered { epoch, registration, .. } => {
+                    (Some((epoch, registration)), None, false)
+                }
+                State::Ready { ready, .. } => (None, Some(ready), false),
+                State::Matched { ready, .. } | State::InFlight { ready, .. } => {
+                    (None, Some(ready), true)
+                }
+                fence @ State::Fenced { .. } => return fence,
+            };
+            drained.push(Expired { key: key.clone(), registration, ready, was_matched });
+            self.fence_from(FenceReason::Failed, now)
+        });
+        drained
+    }
+
+    /// Takes out every entry, in every shard, whose state `select` picks, and puts back the
+    /// state `rewrite` makes of it (one shard's lock at a time): the scans behind
+    /// [`purge`](Self::purge) and [`drain`](Self::drain).
+    fn rewrite_where(
+        &self,
+        now: Instant,
+        select: impl Fn(&State<R, K>) -> bool,
+        mut rewrite: impl FnMut(&TransferKey, State<R, K>) -> State<R, K>,
+    ) {
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
-            let live: Vec<(u64, TransferKey)> = shard
+            let chosen: Vec<(u64, TransferKey)> = shard
                 .entries
                 .iter()
-                .filter(|entry| !matches!(entry.state, State::Fenced { .. }))
+                .filter(|entry| select(&entry.state))
                 .map(|entry| (entry.key.hash, entry.key.key.clone()))
                 .collect();
-            for (hash, key) in live {
+            for (hash, key) in chosen {
                 let Some(taken) = take_entry(&mut shard, hash, &key) else { continue };
-                let (registration, ready, was_matched) = match taken.state {
-                    State::Registered { epoch, registration, .. } => {
-                        (Some((epoch, registration)), None, false)
-                    }
-                    State::Ready { ready, .. } => (None, Some(ready), false),
-                    State::Matched { ready, .. } | State::InFlight { ready, .. } => {
-                        (None, Some(ready), true)
-                    }
-                    State::Fenced { .. } => continue,
-                };
-                let fence = self.fence_from(FenceReason::Failed, now);
-                self.settle(&mut shard, taken.key, taken.kind, fence, now);
-                drained.push(Expired { key, registration, ready, was_matched });
+                let state = rewrite(&key, taken.state);
+                self.settle(&mut shard, taken.key, taken.kind, state, now);
             }
         }
-        drained
     }
 
     /// Live (not ended) entries, fences excluded.
