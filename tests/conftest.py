@@ -62,8 +62,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     rows = getattr(faults, "REPORT", None)
     if not rows:
         return
-    terminalreporter.section("fault matrix: time to outcome and canary")
-    columns = ["case", "d_outcome", "d_seconds", "p_outcome", "p_seconds", "canary"]
+    terminalreporter.section(
+        "fault matrix: each side's outcomes and their times (from the fault), canary, P after"
+    )
+    columns = ["case", "d", "p", "canary", "p_entries_left", "p_rss"]
     terminalreporter.write_line(" | ".join(columns))
     for row in rows:
         terminalreporter.write_line(" | ".join(str(row.get(c, "-")) for c in columns))

@@ -82,6 +82,10 @@ class FaultPair(Pair):
         self.relay = Relay(self.p.address()) if relay else None
         self.source = self.relay.address if self.relay else self.p.address()
 
+    def note(self, column: str, what: str) -> None:
+        """Adds ``what`` to this case's ``column`` (a case may see several outcomes in turn)."""
+        self.row[column] = f"{self.row[column]}, then {what}" if column in self.row else what
+
     def close(self) -> None:
         REPORT.append(self.row)
         try:
@@ -113,11 +117,11 @@ def receive_outcome(pair: FaultPair, bound: float = OUTCOME_BOUND) -> dict[str, 
     """D's one event for the transfer, which must come within ``bound`` seconds."""
     started = time.monotonic()
     events = pair.d.events(1, timeout=bound)
-    pair.row["d_seconds"] = round(time.monotonic() - started, 2)
+    seconds = time.monotonic() - started
     assert events, f"D reported no outcome within {bound:.0f}s"
     (event,) = events
     assert event["role"] == "receive"
-    pair.row["d_outcome"] = event["outcome"]
+    pair.note("d", f"{event['outcome']} {seconds:.1f}s")
     return dict(event)
 
 
@@ -125,15 +129,15 @@ def send_outcome(pair: FaultPair, refused: list[str], bound: float = OUTCOME_BOU
     """P's outcome for a transfer whose KV it reported ready: the refusal of ``ready``, or its
     one send event, which must come within ``bound`` seconds."""
     if refused:
-        pair.row["p_outcome"] = "refused"
+        pair.note("p", "ready refused")
         return f"refused: {refused[0]}"
     started = time.monotonic()
     events = pair.p.events(1, timeout=bound)
-    pair.row["p_seconds"] = round(time.monotonic() - started, 2)
+    seconds = time.monotonic() - started
     assert events, f"P reported no outcome within {bound:.0f}s"
     (event,) = events
     assert event["role"] == "send"
-    pair.row["p_outcome"] = event["outcome"]
+    pair.note("p", f"{event['outcome']} {seconds:.1f}s")
     return str(event["outcome"])
 
 
@@ -508,6 +512,7 @@ def test_hostile_bytes_on_ps_port_leave_transfers_and_ps_memory_alone(transport:
 
             answer = transfers.during(lambda: slowloris(address, CONNECT_TIMEOUT + 3.0))
             assert answer.closed, "P kept a connection open that dripped its hello byte by byte"
+        pair.note("p_rss", f"+{rss.growth / MIB:.0f} MiB")
         assert rss.growth < 64 * MIB, f"P's resident memory grew by {rss.growth / MIB:.0f} MiB"
         transfers.one()  # and D's connection still serves
         pair.verify(transfers.delivered)
