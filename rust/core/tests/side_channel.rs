@@ -761,6 +761,9 @@ fn messages_that_do_not_travel_here_or_break_limits_are_not_sent() {
     let p = decode.connect(&prefill.local_addr().to_string()).expect("handshake");
     let err = decode.send(p.id, &Message::Hello(hello("decode-0"))).unwrap_err();
     assert!(matches!(err, SideChannelError::Invalid { .. }), "{err}");
+    let attach = Message::Attach(Attach { echo: 1, agent_metadata: vec![1] });
+    let err = decode.send(p.id, &attach).unwrap_err();
+    assert!(matches!(err, SideChannelError::Invalid { .. }), "{err}");
     let empty_key =
         Message::Cancel(Cancel { transfer_key: String::new(), request_id: "r".into(), epoch: 1 });
     let err = decode.send(p.id, &empty_key).unwrap_err();

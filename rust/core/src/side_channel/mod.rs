@@ -549,13 +549,13 @@ impl SideChannel {
     /// # Errors
     ///
     /// [`UnknownPeer`](SideChannelError::UnknownPeer) for a peer that is gone or never joined;
-    /// [`Invalid`](SideChannelError::Invalid) for a `hello`, a `done` or a message that breaks
+    /// [`Invalid`](SideChannelError::Invalid) for a `hello`, an `attach`, a `done` or a message that breaks
     /// the limits; [`Io`](SideChannelError::Io) when the write failed (the connection is then
     /// closed and `peer_lost` follows); [`Closed`](SideChannelError::Closed).
     pub fn send(&self, peer: PeerId, message: &Message) -> Result<(), SideChannelError> {
         let conn = self.shared.joined(peer)?;
         let invalid = |source| SideChannelError::Invalid { peer, source };
-        if matches!(message, Message::Hello(_) | Message::Done(_)) {
+        if matches!(message, Message::Hello(_) | Message::Attach(_) | Message::Done(_)) {
             return Err(invalid(ProtocolError::Invalid {
                 field: "kind",
                 reason: format!(
