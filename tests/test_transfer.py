@@ -311,3 +311,37 @@ def test_an_absurd_ttl_is_refused_and_the_endpoint_stays_healthy() -> None:
         pair.verify([request])
     finally:
         pair.close()
+
+
+def test_a_gpu_cache_is_registered_as_vram_and_a_transport_unable_to_reach_it_is_refused() -> None:
+    """D's KV on ``cuda:1`` (host memory standing in for it: what matters is what reaches the
+    registration and the handshake): registered and advertised as VRAM of device 1; a P whose
+    transport (loopback: memcpy) cannot write into VRAM refuses D at the handshake, naming both
+    memory spaces, instead of failing each request."""
+    p_worker = Worker("p", P_SHAPE, P_SEED, "loopback")
+    d_worker = Worker("d", D_SHAPE, None, "loopback")
+    try:
+        with kvpush.Endpoint(
+            "gpu-decode",
+            d_worker.cache.layout(),
+            memory=d_worker.cache.memory(),
+            transport="loopback",
+            agent_name="gpu-decode-0",
+            compatibility="test-model",
+            device=1,
+        ) as d:
+            assert d.memory_space == ("vram", 1)
+            assert p_worker.endpoint.memory_space == ("dram", 0)
+            (request,) = make_requests(random.Random(31), 1, "gpu")
+            d.expect(request.request_id, p_worker.address(), [list(request.d_blocks)],
+                     request.tokens, ttl=10.0)  # fmt: skip
+            (event,) = d.wait(10.0)
+            assert event.outcome == "failed"
+            assert event.reason is not None
+            assert "GPU memory (VRAM) of device 1" in event.reason
+            assert "host memory (DRAM)" in event.reason
+            assert "loopback" in event.reason
+        assert p_worker.pending() == 0
+    finally:
+        d_worker.close()
+        p_worker.close()

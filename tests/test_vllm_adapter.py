@@ -149,6 +149,12 @@ def test_scheduler_keeps_p_blocks_until_the_send_is_reported() -> None:
 
 
 def worker(engine: str, caches: list[np.ndarray], block_size: int, port: int) -> PushWorker:
+    return worker_from_views(engine, [view(c) for c in caches], block_size, port)
+
+
+def worker_from_views(
+    engine: str, views: list[TensorView], block_size: int, port: int
+) -> PushWorker:
     config = WorkerConfig(
         engine_id=engine,
         side_channel_host="127.0.0.1",
@@ -161,7 +167,7 @@ def worker(engine: str, caches: list[np.ndarray], block_size: int, port: int) ->
         model_fingerprint="tiny",
     )
     w = PushWorker(config, Model(HEADS, HEAD, block_size))
-    w.register([view(c) for c in caches])
+    w.register(views)
     return w
 
 
@@ -358,3 +364,38 @@ def test_thread_cpu_setting_is_checked() -> None:
         patch.setenv(THREAD_CPUS_ENV, "two")
         with pytest.raises(KvPushError, match="KVPUSH_THREAD_CPUS='two'"):
             _worker.native_thread_cpus()
+
+
+class TensorStandIn:
+    """A tensor on ``device_type:index`` as the connector sees one (``data_ptr``, shape, strides,
+    element size, ``device``), backed by host memory: what a GPU KV cache hands kvpush, on a
+    machine without a GPU."""
+
+    def __init__(self, array: np.ndarray, index: int, device_type: str = "cuda") -> None:
+        self.array = array
+        self.device = type("Device", (), {"type": device_type, "index": index})()
+        self.shape = array.shape
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    def element_size(self) -> int:
+        return int(self.array.itemsize)
+
+
+def test_a_worker_on_a_gpu_registers_its_cache_as_vram_of_that_device() -> None:
+    caches = cpu_caches(2, 8, 32, seed=None)
+    gpu_views = [TensorView.of(TensorStandIn(c, 3)) for c in caches]
+    assert {v.cuda_device for v in gpu_views} == {3}
+    assert TensorView.of(TensorStandIn(caches[0], 0, "cpu")).cuda_device is None
+    w = worker_from_views("gpu-worker", gpu_views, 32, 16_400)
+    try:
+        assert w.endpoint.memory_space == ("vram", 3)
+    finally:
+        w.close()
+    mixed = [gpu_views[0], TensorView.of(TensorStandIn(caches[1], 4))]
+    with pytest.raises(LayoutError, match="several devices"):
+        worker_from_views("mixed-worker", mixed, 32, 16_410)

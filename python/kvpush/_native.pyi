@@ -253,6 +253,9 @@ class Endpoint:
     @property
     def address(self) -> str: ...
     @property
+    def memory_space(self) -> tuple[Literal["dram", "vram"], int]:
+        """Where the KV cache was registered: ("dram", 0) or ("vram", device)."""
+    @property
     def write_horizon(self) -> float:
         """Seconds a D waits after losing this worker before handing its blocks back."""
     def health(self) -> str | None:

@@ -77,23 +77,29 @@ _B, _H, _N, _C = range(4)
 
 @dataclass(frozen=True)
 class TensorView:
-    """What the layout needs of a tensor: address, shape and strides (in elements)."""
+    """What the layout needs of a tensor: address, shape and strides (in elements), and the GPU
+    it lives on (``None``: host memory)."""
 
     data_ptr: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     element_size: int
+    cuda_device: int | None = None
 
     @classmethod
     def of(cls, tensor: object) -> TensorView:
         """From a torch tensor (duck-typed: ``data_ptr()``, ``shape``, ``stride()``,
-        ``element_size()``)."""
+        ``element_size()``, ``device.type``/``device.index``). A tensor on ``cuda`` is VRAM of
+        its device; any other device type is host memory (vLLM's CPU caches, pinned buffers)."""
         t = tensor
+        device = getattr(t, "device", None)
+        on_gpu = getattr(device, "type", "cpu") == "cuda"
         return cls(
             t.data_ptr(),  # type: ignore[attr-defined]
             tuple(t.shape),  # type: ignore[attr-defined]
             tuple(t.stride()),  # type: ignore[attr-defined]
             t.element_size(),  # type: ignore[attr-defined]
+            (getattr(device, "index", None) or 0) if on_gpu else None,
         )
 
     @property

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO
 
 import kvpush
-from kvpush.exceptions import KvPushError
+from kvpush.exceptions import KvPushError, LayoutError
 from kvpush.vllm import _stats
 from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches
 from kvpush.vllm._scheduler import PushMetadata, RecvRequest
@@ -159,6 +159,13 @@ class PushWorker:
                 "kvpush: KV blocks move whole (P and D need the same block size): %s",
                 cache.opaque_because,
             )
+        devices = {view.cuda_device for view in views}
+        if len(devices) > 1:
+            raise LayoutError(
+                f"KV cache tensors on several devices ({sorted(map(str, devices))}): one worker's "
+                "cache must live on one GPU (or in host memory)"
+            )
+        (device,) = devices or {None}
         port = self._config.side_channel_port + self._model.tp_rank
         cpus = native_thread_cpus()
         with _threads_born_on(cpus):
@@ -166,6 +173,9 @@ class PushWorker:
                 self._config.engine_id,
                 layout,
                 memory=list(cache.memory),
+                # VRAM of that GPU, registered with its device id (NIXL's VRAM_SEG), and
+                # advertised in the handshake; None registers host memory (DRAM).
+                device=device,
                 transport=self._config.transport,  # type: ignore[arg-type]
                 # No agent_name: the endpoint makes one unique to this process, so that two
                 # replicas sharing an engine id, or a restarted worker, never share an agent.

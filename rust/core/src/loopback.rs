@@ -14,7 +14,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use crate::planner::DescriptorRun;
 use crate::sync::lock;
 use crate::transport::{
-    MemoryRegion, MemorySpace, Notification, Transport, TransportError, WriteId, WriteState,
+    MemoryKind, MemoryRegion, MemorySpace, Notification, Transport, TransportError, WriteId,
+    WriteState,
 };
 
 /// What peers can see of an agent: its memory and its mailbox.
@@ -114,6 +115,18 @@ impl Transport for LoopbackTransport {
     unsafe fn register_memory(&mut self, regions: &[MemoryRegion]) -> Result<(), TransportError> {
         lock(&self.shared.regions).extend_from_slice(regions);
         Ok(())
+    }
+
+    /// A memcpy reaches host memory only.
+    fn can_write_into(&self, remote: MemorySpace) -> Result<(), String> {
+        match remote.kind {
+            MemoryKind::Dram => Ok(()),
+            MemoryKind::Vram => {
+                Err("the loopback transport copies with memcpy and reaches host memory only; use \
+                 transport=\"nixl\" (a CUDA-enabled NIXL/UCX) for GPU KV caches"
+                    .to_owned())
+            }
+        }
     }
 
     fn metadata(&mut self) -> Result<Vec<u8>, TransportError> {

@@ -21,6 +21,15 @@ pub enum MemoryKind {
     Vram,
 }
 
+impl fmt::Display for MemorySpace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            MemoryKind::Dram => f.write_str("host memory (DRAM)"),
+            MemoryKind::Vram => write!(f, "GPU memory (VRAM) of device {}", self.device),
+        }
+    }
+}
+
 /// A memory space: the kind of memory and the device it is on (0 for DRAM).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct MemorySpace {
@@ -98,6 +107,14 @@ pub trait Transport: Send {
     /// the transport is dropped: a peer may write into it at any time after its address was
     /// advertised, and a local write reads it asynchronously.
     unsafe fn register_memory(&mut self, regions: &[MemoryRegion]) -> Result<(), TransportError>;
+
+    /// Whether this transport can WRITE from its registered memory into a peer's memory in
+    /// `remote`; the error says why not. Asked at the handshake, so that a pair the transport
+    /// cannot serve is refused there, naming both sides, instead of failing every request.
+    fn can_write_into(&self, remote: MemorySpace) -> Result<(), String> {
+        let _ = remote;
+        Ok(())
+    }
 
     /// This agent's metadata: the bytes a peer passes to its own [`Transport::add_peer`].
     fn metadata(&mut self) -> Result<Vec<u8>, TransportError>;

@@ -445,6 +445,16 @@ impl Endpoint {
         self.0.health().err()
     }
 
+    /// Where the KV cache was registered: ("dram", 0) or ("vram", device).
+    #[getter]
+    fn memory_space(&self) -> (&'static str, u32) {
+        let space = self.0.memory();
+        match space.kind {
+            kvpush_core::transport::MemoryKind::Dram => ("dram", space.device),
+            kvpush_core::transport::MemoryKind::Vram => ("vram", space.device),
+        }
+    }
+
     /// Seconds a D waits after losing this worker before it hands P's blocks back.
     #[getter]
     fn write_horizon(&self) -> f64 {

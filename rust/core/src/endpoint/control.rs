@@ -25,6 +25,7 @@ use crate::protocol::{
 use crate::rendezvous::{Arrival, Cancelled, FenceReason, Owner, RendezvousError};
 use crate::side_channel::{ControlHandler, PeerId, PeerInfo};
 use crate::sync::lock;
+use crate::transport::{MemoryKind, MemorySpace};
 
 use super::writer::{Command, Registration};
 use super::{Counters, Shared};
@@ -57,6 +58,10 @@ pub(crate) struct Control {
     shared: Arc<Shared>,
     compatibility: String,
     quota: usize,
+    /// Where this worker's KV lives, and why its transport cannot write into a peer's VRAM
+    /// (`None`: it can): a D whose cache the transport cannot reach is refused at the handshake.
+    memory: MemorySpace,
+    vram_refusal: Option<String>,
     peers: Mutex<HashMap<PeerId, PeerEntry>>,
     /// Each host's registration count, shared by its peers' entries. One small entry per host
     /// that ever authenticated.
@@ -73,11 +78,19 @@ pub(crate) fn owner_of(hello: &Hello) -> Owner {
 }
 
 impl Control {
-    pub(crate) fn new(shared: Arc<Shared>, compatibility: String, quota: usize) -> Self {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        compatibility: String,
+        quota: usize,
+        memory: MemorySpace,
+        vram_refusal: Option<String>,
+    ) -> Self {
         Self {
             shared,
             compatibility,
             quota,
+            memory,
+            vram_refusal,
             peers: Mutex::new(HashMap::new()),
             hosts: Mutex::new(HashMap::new()),
         }
@@ -177,6 +190,17 @@ impl ControlHandler for Control {
                 "peer {} serves a different model configuration (compatibility {:?}, this worker \
                  {:?}); pair prefill and decode engines of the same model, dtype and KV layout",
                 hello.engine_id, hello.compatibility, self.compatibility
+            ));
+        }
+        // P writes into every D that connects to it: refuse one whose KV cache our transport
+        // cannot reach now, rather than fail each of its requests later.
+        if let (true, MemoryKind::Vram, Some(reason)) =
+            (peer.inbound, hello.memory.kind, &self.vram_refusal)
+        {
+            return Err(format!(
+                "this worker's KV cache is in {} and peer {}'s is in {}, which this worker's \
+                 transport cannot write into: {reason}",
+                self.memory, hello.engine_id, hello.memory
             ));
         }
         self.shared.health()?;

@@ -41,7 +41,7 @@ use crate::protocol::{BlockGroup, FailReason, Hello, Secret, PROTOCOL_VERSION};
 use crate::rendezvous::{Arrival, Cancelled, Epoch, RendezvousError, RendezvousTable, TableConfig};
 use crate::side_channel::{SideChannel, SideChannelConfig};
 use crate::sync::lock;
-use crate::transport::{MemorySpace, Transport, TransportError};
+use crate::transport::{MemoryKind, MemorySpace, Transport, TransportError};
 
 use control::Control;
 use writer::{Command, Writer};
@@ -317,6 +317,7 @@ pub struct Endpoint {
     side_channel: Arc<SideChannel>,
     writer: Mutex<Option<JoinHandle<()>>>,
     write_horizon: Duration,
+    memory: MemorySpace,
 }
 
 impl Endpoint {
@@ -359,10 +360,14 @@ impl Endpoint {
             writer_beat_ms: AtomicU64::new(0),
             stall_after: WRITER_STALL.max(config.peer_timeout),
         });
+        let vram_refusal =
+            transport.can_write_into(MemorySpace { kind: MemoryKind::Vram, device: 0 }).err();
         let control = Arc::new(Control::new(
             Arc::clone(&shared),
             config.compatibility.clone(),
             config.max_registrations_per_host,
+            config.memory,
+            vram_refusal,
         ));
         let mut side_config = SideChannelConfig::new(
             config.bind,
@@ -402,6 +407,7 @@ impl Endpoint {
             side_channel,
             writer: Mutex::new(Some(handle)),
             write_horizon: config.write_horizon(),
+            memory: config.memory,
         })
     }
 
@@ -512,6 +518,12 @@ impl Endpoint {
     /// their write horizons passed), its peers were disconnected, and new work is refused.
     pub fn health(&self) -> Result<(), String> {
         self.shared.health()
+    }
+
+    /// Where this worker's KV cache lives, as registered with the transport and advertised in
+    /// its Hello.
+    pub fn memory(&self) -> MemorySpace {
+        self.memory
     }
 
     /// How long a D waits after losing this worker before handing its blocks back

@@ -451,7 +451,7 @@ fn serve_accepted(shared: &Shared, conn: &Connection) -> Option<String> {
     }
     conn.prove(sent_ms, shared.clock_ms());
     hello.agent_metadata = attach.agent_metadata;
-    let info = PeerInfo { id: conn.id, addr: conn.addr, hello };
+    let info = PeerInfo { id: conn.id, addr: conn.addr, hello, inbound: true };
     if let Err(reason) = shared.handler.peer_joined(&info) {
         let reply = Message::Error(error_reply("incompatible", &reason));
         conn.reply_and_close(

@@ -230,6 +230,8 @@ pub struct PeerInfo {
     pub addr: SocketAddr,
     /// The Hello the peer sent: who it is, its NIXL agent and its KV layout.
     pub hello: Hello,
+    /// Whether the peer connected to us (D connects to P: on P every peer is inbound).
+    pub inbound: bool,
 }
 
 /// What the side channel tells its owner (the rendezvous and writer on P, the request tracker
@@ -525,7 +527,7 @@ impl SideChannel {
         }
         let mut hello = hello;
         hello.agent_metadata = welcome.agent_metadata;
-        let info = PeerInfo { id: conn.id, addr: peer_addr, hello };
+        let info = PeerInfo { id: conn.id, addr: peer_addr, hello, inbound: false };
         if let Err(reason) = shared.handler.peer_joined(&info) {
             let reason = format!("this side's handler refused the peer: {reason}");
             let reply = Message::Error(connection::error_reply("incompatible", &reason));
