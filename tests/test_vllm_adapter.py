@@ -399,3 +399,29 @@ def test_a_worker_on_a_gpu_registers_its_cache_as_vram_of_that_device() -> None:
     mixed = [gpu_views[0], TensorView.of(TensorStandIn(caches[1], 4))]
     with pytest.raises(LayoutError, match="several devices"):
         worker_from_views("mixed-worker", mixed, 32, 16_410)
+
+
+def test_pipeline_stages_get_ports_of_their_own_and_are_refused_for_now() -> None:
+    """Stage-major worker indexes (the side-channel port offset), so stages on one host never
+    clash; an engine of several stages is refused at startup with the reason (a D would need to
+    register with every stage: docs/operations.md, "Pipeline parallelism")."""
+    indexes = {
+        (pp, tp): Model(HEADS, HEAD, 32, tp_rank=tp, tp_size=2, pp_rank=pp, pp_size=2).worker_index
+        for pp in range(2)
+        for tp in range(2)
+    }
+    assert sorted(indexes.values()) == [0, 1, 2, 3]
+    config = WorkerConfig(
+        engine_id="staged",
+        side_channel_host="127.0.0.1",
+        side_channel_port=16_500,
+        secret=None,
+        insecure=False,
+        ttl=30.0,
+        receive_timeout=30.0,
+        transport="loopback",
+        model_fingerprint="tiny",
+    )
+    staged = PushWorker(config, Model(HEADS, HEAD, 32, pp_rank=1, pp_size=2))
+    with pytest.raises(LayoutError, match="pipeline stages"):
+        staged.register([view(c) for c in cpu_caches(2, 8, 32, seed=None)])

@@ -249,6 +249,8 @@ class Endpoint:
         insecure: bool = False,
         max_registrations_per_host: int = 16384,
         delivery_bound: float | None = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
     ) -> None: ...
     @property
     def address(self) -> str: ...

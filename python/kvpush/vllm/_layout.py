@@ -126,9 +126,18 @@ class Model:
     backends: tuple[str, ...] = ()
     #: MLA: one latent "head" per token, the same on every tensor parallel rank.
     use_mla: bool = False
+    #: This worker's pipeline-parallel stage and the number of stages.
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's index among its engine's workers (stage-major): its side-channel port
+        is the engine's base port plus this, so that the stages on one host never clash."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     @classmethod
-    def from_vllm(cls, vllm_config: object, tp_rank: int) -> Model:
+    def from_vllm(cls, vllm_config: object, tp_rank: int, pp_rank: int = 0) -> Model:
         """From a worker's ``VllmConfig`` once the layout is resolved (the connector's
         construction, ``initialize_from_config``). Duck-typed: this module imports no vLLM."""
         cfg = vllm_config
@@ -151,6 +160,8 @@ class Model:
             kv_cache_layout=resolved().name if resolved is not None else None,
             backends=tuple(sorted(backends)),
             use_mla=bool(model.use_mla),
+            pp_rank=pp_rank,
+            pp_size=int(getattr(parallel, "pipeline_parallel_size", 1)),
         )
 
 

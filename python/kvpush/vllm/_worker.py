@@ -166,7 +166,16 @@ class PushWorker:
                 "cache must live on one GPU (or in host memory)"
             )
         (device,) = devices or {None}
-        port = self._config.side_channel_port + self._model.tp_rank
+        if self._model.pp_size > 1:
+            # Each P stage holds only its own layers, so a D would have to register with every
+            # stage and count one DONE per stage (docs/operations.md, "Pipeline parallelism"):
+            # refused here, with the reason, rather than failing every request at its handshake.
+            raise LayoutError(
+                f"engine {self._config.engine_id} runs {self._model.pp_size} pipeline stages: "
+                "kvpush's connector moves KV between single-stage engines only for now; run "
+                "P and D with --pipeline-parallel-size 1"
+            )
+        port = self._config.side_channel_port + self._model.worker_index
         cpus = native_thread_cpus()
         with _threads_born_on(cpus):
             self._endpoint = kvpush.Endpoint(
@@ -182,6 +191,8 @@ class PushWorker:
                 bind=f"{self._config.side_channel_host}:{port}",
                 secret=self._config.secret,
                 insecure=self._config.insecure,
+                pp_rank=self._model.pp_rank,
+                pp_size=self._model.pp_size,
                 write_timeout=self._config.write_timeout,
                 peer_timeout=self._config.peer_timeout,
                 heartbeat_interval=self._config.heartbeat_interval,

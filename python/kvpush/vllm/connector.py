@@ -212,13 +212,15 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = PushScheduler()
             return
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         # The KV cache layout vLLM resolved, its attention backends and MLA: what the layout
         # reader needs to read the views instead of guessing from their shapes.
         self._worker = PushWorker(
             _worker_config(vllm_config),
-            Model.from_vllm(vllm_config, get_tensor_model_parallel_rank()),
+            Model.from_vllm(
+                vllm_config, get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+            ),
         )
 
     # ---- class-level configuration --------------------------------------------------------

@@ -219,7 +219,8 @@ impl Endpoint {
         nixl_progress_thread = false, device = None, bind = "127.0.0.1:0", secret = None,
         compatibility = "",
         write_timeout = 10.0, heartbeat_interval = 1.0, peer_timeout = 5.0, connect_timeout = 3.0,
-        insecure = false, max_registrations_per_host = 16_384, delivery_bound = None
+        insecure = false, max_registrations_per_host = 16_384, delivery_bound = None,
+        pp_rank = 0, pp_size = 1
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -242,7 +243,14 @@ impl Endpoint {
         insecure: bool,
         max_registrations_per_host: usize,
         delivery_bound: Option<f64>,
+        pp_rank: u32,
+        pp_size: u32,
     ) -> PyResult<Self> {
+        if pp_rank >= pp_size {
+            return Err(PyValueError::new_err(format!(
+                "pp_rank {pp_rank} must be below pp_size {pp_size}"
+            )));
+        }
         // A host name (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST defaults to "localhost") is resolved
         // here, once; the first address it resolves to is the one listened on.
         let bind: SocketAddr =
@@ -263,6 +271,8 @@ impl Endpoint {
         config.peer_timeout = seconds(peer_timeout, "peer_timeout")?;
         config.connect_timeout = seconds(connect_timeout, "connect_timeout")?;
         config.allow_insecure = insecure;
+        config.pp_rank = pp_rank;
+        config.pp_size = pp_size;
         config.max_registrations_per_host = max_registrations_per_host;
         config.delivery_bound = match (delivery_bound, transport) {
             (Some(seconds_given), _) => seconds(seconds_given, "delivery_bound")?,
@@ -273,7 +283,7 @@ impl Endpoint {
         // replicas with one engine id, or a restarted D, must never share one.
         let name = agent_name.unwrap_or_else(|| {
             format!(
-                "{engine_id}-tp{}-{}-{:08x}",
+                "{engine_id}-pp{pp_rank}-tp{}-{}-{:08x}",
                 layout.0.tp_rank,
                 std::process::id(),
                 unique_suffix()

@@ -53,6 +53,10 @@ pub struct EndpointConfig {
     pub engine_id: String,
     /// This worker's KV cache layout (addresses are in its registered memory).
     pub layout: KvLayout,
+    /// This worker's pipeline-parallel stage and its engine's number of stages (Hello).
+    pub pp_rank: u32,
+    /// See `pp_rank`.
+    pub pp_size: u32,
     /// Where the KV cache lives.
     pub memory: MemorySpace,
     /// Hash of what must match between P and D (model, dtypes, ...); peers must agree.
@@ -93,6 +97,8 @@ impl EndpointConfig {
         Self {
             engine_id: engine_id.into(),
             layout,
+            pp_rank: 0,
+            pp_size: 1,
             memory: MemorySpace::DRAM,
             compatibility: String::new(),
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -337,8 +343,8 @@ impl Endpoint {
             engine_id: config.engine_id.clone(),
             tp_rank: config.layout.tp_rank,
             tp_size: config.layout.tp_size,
-            pp_rank: 0,
-            pp_size: 1,
+            pp_rank: config.pp_rank,
+            pp_size: config.pp_size,
             agent_name: transport.name().to_owned(),
             agent_metadata: transport.metadata()?,
             layout: config.layout.clone(),
