@@ -111,6 +111,7 @@ def event_dict(event: kvpush.TransferEvent) -> dict[str, Any]:
         "key": event.key,
         "outcome": event.outcome,
         "reason": event.reason,
+        "code": event.code.value if event.code is not None else None,
         "bytes": event.bytes,
         "runs": event.runs,
         "timeline": dict(event.timeline),

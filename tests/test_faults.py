@@ -206,6 +206,7 @@ def test_partition_after_registration_lands_nothing_after_d_fails(
 
         received = receive_outcome(pair)
         assert received["outcome"] == "failed", received
+        assert received["code"] == "peer_lost", received
         assert pair.relay.swallowed("p_to_d") > 0, "the partition swallowed none of P's bytes"
 
         refused = pair.p.ready([request])  # P's KV becomes ready after D gave up

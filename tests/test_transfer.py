@@ -345,3 +345,19 @@ def test_a_gpu_cache_is_registered_as_vram_and_a_transport_unable_to_reach_it_is
     finally:
         d_worker.close()
         p_worker.close()
+
+
+def test_every_reason_code_is_an_enum_member_on_both_sides() -> None:
+    """The native core's reason codes and ``kvpush.Reason`` are one list; events carry members."""
+    assert {r.value for r in kvpush.Reason} == set(kvpush._native.REASON_CODES)
+    pair = Pair("loopback", None, None)
+    try:
+        (request,) = make_requests(random.Random(32), 1, "code")
+        pair.d.expect(pair.source, [request])
+        wait_until_registered(pair)
+        assert pair.p.abort(request) == "released"
+        (event,) = pair.d.endpoint.wait(10.0)
+        assert event.code is kvpush.Reason.ABORTED
+        assert event.outcome == "failed"
+    finally:
+        pair.close()

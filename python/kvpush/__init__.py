@@ -8,6 +8,7 @@ The public API is re-exported here from the native core (``kvpush._native``, pri
 * :class:`Endpoint`, :class:`TransferEvent`: a worker's push endpoint (side channel, table and
   native writer thread over NIXL or the in-process loopback);
 * :func:`transfer_key`, :func:`canonical_request_id`: how P and D name one request;
+* :class:`Reason` (:mod:`kvpush.outcomes`): why a transfer ended without its KV, as a code;
 * :mod:`kvpush.exceptions`: the error hierarchy.
 
 Importing kvpush never imports vLLM.
@@ -34,6 +35,7 @@ from kvpush._native import (
     frame_length,
     transfer_key,
 )
+from kvpush.outcomes import Reason
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -47,6 +49,7 @@ __all__ = [
     "KvLayout",
     "Plan",
     "Planner",
+    "Reason",
     "Region",
     "RendezvousTable",
     "TransferEvent",

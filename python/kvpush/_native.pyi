@@ -4,8 +4,11 @@ import builtins
 from collections.abc import Sequence
 from typing import Any, Literal, final
 
+from kvpush.outcomes import Reason
+
 __version__: str
 PROTOCOL_VERSION: int
+REASON_CODES: list[str]
 
 def transfer_key(request_id: str, transfer_id: str | None = None) -> str:
     """The key P and D both derive: ``transfer_id`` if given, else the canonical request id."""
@@ -209,7 +212,11 @@ class TransferEvent:
     @property
     def outcome(self) -> Literal["done", "failed", "cancelled", "quarantined"]: ...
     @property
-    def reason(self) -> str | None: ...
+    def reason(self) -> str | None:
+        """Why, when not done: the detail, for people (may be reworded)."""
+    @property
+    def code(self) -> Reason | None:
+        """Why, when not done: the stable code programs and metrics branch on."""
     @property
     def bytes(self) -> int: ...
     @property

@@ -31,24 +31,9 @@ def empty() -> dict[str, Any]:
 
 
 def _reason_code(event: kvpush.TransferEvent) -> str:
-    """A short, bounded label for a failure: the outcome and the first words of the reason."""
-    reason = (event.reason or "").lower()
-    for code in (
-        "quarantined",
-        "aborted",
-        "expired",
-        "cancelled",
-        "refused",
-        "incompatible",
-        "lost p",
-        "cannot reach p",
-        "write",
-        "closed",
-        "no kv",
-    ):
-        if code in reason:
-            return f"{event.role}_{code.replace(' ', '_')}"
-    return f"{event.role}_{event.outcome}"
+    """A failure's metric label: the role and the event's reason code (never its prose)."""
+    code = event.code.value if event.code is not None else event.outcome
+    return f"{event.role}_{code}"
 
 
 def observe(

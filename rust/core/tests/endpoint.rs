@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use kvpush_core::endpoint::{
-    AbortOutcome, Endpoint, EndpointConfig, Event, Expectation, Outcome, ReadyKv, Role,
+    AbortOutcome, Endpoint, EndpointConfig, Event, Expectation, Outcome, ReadyKv, Reason, Role,
 };
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::loopback::LoopbackTransport;
@@ -200,6 +200,11 @@ fn expectation(
     }
 }
 
+/// The event's reason code, `None` for a transfer that was done.
+fn reason_of(event: &Event) -> Option<Reason> {
+    event.outcome.cause().map(|cause| cause.reason)
+}
+
 fn events(endpoint: &Endpoint, count: usize) -> Vec<Event> {
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut out = Vec::new();
@@ -289,6 +294,7 @@ fn unreachable_p_fails_the_expectation_with_the_address() {
         matches!(&received[..], [Event { outcome: Outcome::Failed(reason), .. }] if reason.contains(&closed.to_string())),
         "{received:?}"
     );
+    assert_eq!(reason_of(&received[0]), Some(Reason::Unreachable));
 }
 
 #[test]
@@ -313,6 +319,8 @@ fn a_write_the_transport_cannot_release_is_quarantined_on_both_sides() {
         "{received:?}"
     );
     assert_eq!(p.stats().quarantined_writes, 1);
+    assert_eq!(reason_of(&sent[0]), Some(Reason::Quarantined));
+    assert_eq!(reason_of(&received[0]), Some(Reason::Quarantined));
     assert_eq!(p.pending(), 0);
 }
 
@@ -348,6 +356,7 @@ fn a_panicking_writer_fails_everything_and_refuses_new_work() {
         matches!(&received[..], [Event { outcome: Outcome::Failed(reason), .. }] if reason.contains("lost P")),
         "{received:?}"
     );
+    assert_eq!(reason_of(&received[0]), Some(Reason::PeerLost));
     // P's horizon: peer_timeout 1 s + write_timeout 0.5 s + 1 s margin, from the disconnect.
     assert!(lost_at.elapsed() >= Duration::from_millis(2_000), "D failed inside P's horizon");
     drop((p, d));
@@ -398,6 +407,7 @@ fn another_peer_cannot_take_over_or_cancel_a_registration() {
         matches!(&refused[..], [Event { outcome: Outcome::Failed(reason), .. }] if reason.contains("another peer")),
         "{refused:?}"
     );
+    assert_eq!(reason_of(&refused[0]), Some(Reason::Refused));
     let mut ready_kv = ready("req-p", &[3, 4], 20);
     ready_kv.transfer_id = Some("xfer-shared".into());
     p.ready(ready_kv).unwrap();

@@ -60,8 +60,10 @@ pub(crate) struct TransferEvent {
     key: String,
     /// "done", "failed", "cancelled" or "quarantined" (the blocks must never be reused).
     outcome: &'static str,
-    /// Why, when not done.
+    /// Why, when not done: the detail, for people.
     reason: Option<String>,
+    /// Why, when not done: a `kvpush.outcomes.Reason` (programs and metrics branch on it).
+    code: Option<Py<PyAny>>,
     /// Bytes written (P) or announced by the DONEs (D).
     bytes: u64,
     /// Descriptor runs in the WRITE (P).
@@ -72,11 +74,20 @@ pub(crate) struct TransferEvent {
 
 impl TransferEvent {
     fn new(py: Python<'_>, event: Event) -> PyResult<Self> {
+        let code = match event.outcome.cause() {
+            Some(cause) => Some(
+                py.import("kvpush.outcomes")?
+                    .getattr("Reason")?
+                    .call1((cause.reason.code(),))?
+                    .unbind(),
+            ),
+            None => None,
+        };
         let (outcome, reason) = match event.outcome {
             Outcome::Done => ("done", None),
-            Outcome::Failed(reason) => ("failed", Some(reason)),
-            Outcome::Cancelled(reason) => ("cancelled", Some(reason)),
-            Outcome::Quarantined(reason) => ("quarantined", Some(reason)),
+            Outcome::Failed(cause) => ("failed", Some(cause.detail)),
+            Outcome::Cancelled(cause) => ("cancelled", Some(cause.detail)),
+            Outcome::Quarantined(cause) => ("quarantined", Some(cause.detail)),
         };
         let t = event.timeline;
         let timeline = PyDict::new(py);
@@ -100,6 +111,7 @@ impl TransferEvent {
             key: event.key.as_str().to_owned(),
             outcome,
             reason,
+            code,
             bytes: event.bytes,
             runs: event.runs,
             timeline: timeline.unbind(),

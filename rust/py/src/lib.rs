@@ -46,6 +46,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<table::Cancellation>()?;
     m.add_class::<table::Expired>()?;
     m.add("PROTOCOL_VERSION", kvpush_core::protocol::PROTOCOL_VERSION)?;
+    let reasons: Vec<&str> =
+        kvpush_core::endpoint::Reason::ALL.iter().map(|reason| reason.code()).collect();
+    m.add("REASON_CODES", reasons)?;
     m.add_class::<codec::Encoder>()?;
     m.add_class::<codec::Decoder>()?;
     m.add_function(wrap_pyfunction!(codec::frame_length, m)?)?;

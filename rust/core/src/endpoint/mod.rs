@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-pub use events::{Event, Outcome, Role, Timeline};
+pub use events::{Cause, Event, Outcome, Reason, Role, Timeline};
 
 use crate::key::TransferKey;
 use crate::layout::KvLayout;

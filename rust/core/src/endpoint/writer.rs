@@ -43,7 +43,7 @@ use crate::side_channel::{PeerId, PeerInfo, SideChannel};
 use crate::transport::{MemorySpace, Notification, Transport, WriteId, WriteState};
 
 use super::control::Slot;
-use super::events::{Event, Outcome, Role, Timeline};
+use super::events::{Event, Outcome, Reason, Role, Timeline};
 use super::{Counters, EndpointConfig, Expectation, ReadyKv, Shared, HORIZON_MARGIN};
 
 /// Poll period while writes are in flight or DONEs awaited.
@@ -154,6 +154,12 @@ struct InFlight {
     /// The transport agent written to (the write holds one use of it).
     agent: String,
 }
+
+/// P: a posted WRITE's id, bytes, runs and the agent written to (see `Writer::post`).
+type Posted = (WriteId, u64, u32, String);
+
+/// P: why a WRITE was not posted: the FAIL reason for D, the code and detail for P's event.
+type Refusal = (FailReason, Reason, String);
 
 /// D: a request awaiting its KV.
 #[derive(Debug)]
@@ -327,7 +333,7 @@ impl<T: Transport> Writer<T> {
                     self.report_send(
                         &ready,
                         &cancel.transfer_key,
-                        Outcome::Cancelled(reason),
+                        Outcome::cancelled(Reason::Cancelled, reason),
                         None,
                     );
                 }
@@ -472,37 +478,47 @@ impl<T: Transport> Writer<T> {
                 runs,
                 agent,
             }),
-            Err((reason, detail)) => {
+            Err((reason, why, detail)) => {
                 let outcome = TableOutcome::Failed(detail.clone());
                 let _ = self.shared.table.finish(&key, epoch, outcome, Instant::now());
                 self.send(
                     registration.peer,
                     Message::Fail(registration.fail(reason, detail.clone())),
                 );
-                self.report_send(&ready, key.as_str(), Outcome::Failed(detail), None);
+                self.report_send(&ready, key.as_str(), Outcome::failed(why, detail), None);
             }
         }
     }
 
-    /// Plans and posts one write; the error says why not, for D and for P's event.
+    /// Plans and posts one write; the error says why not, for D (the FAIL's reason) and for P's
+    /// event (its reason code and detail).
     fn post(
         &mut self,
         key: &TransferKey,
         registration: &Registration,
         ready: &Ready,
-    ) -> Result<(WriteId, u64, u32, String), (FailReason, String)> {
+    ) -> Result<Posted, Refusal> {
         if let Some(reason) = self.shared.dead.get() {
-            return Err((FailReason::ShuttingDown, format!("transfer {key}: {reason}")));
+            let detail = format!("transfer {key}: {reason}");
+            return Err((FailReason::ShuttingDown, Reason::WriterDied, detail));
         }
         let peer = self.peers.get(&registration.peer).ok_or_else(|| {
-            (FailReason::Refused, format!("D's connection for transfer {key} is gone"))
+            let detail = format!("D's connection for transfer {key} is gone");
+            (FailReason::Refused, Reason::PeerLost, detail)
         })?;
-        let planner = peer.planner.as_ref().map_err(|e| (FailReason::Incompatible, e.clone()))?;
-        let agent = peer.agent.as_ref().map_err(|e| (FailReason::WriteError, e.clone()))?;
+        let planner = peer
+            .planner
+            .as_ref()
+            .map_err(|e| (FailReason::Incompatible, Reason::Incompatible, e.clone()))?;
+        let agent = peer
+            .agent
+            .as_ref()
+            .map_err(|e| (FailReason::WriteError, Reason::WriteError, e.clone()))?;
         let register = &registration.register;
         if register.num_tokens > ready.kv.num_tokens {
             return Err((
                 FailReason::Refused,
+                Reason::Refused,
                 format!(
                     "transfer {key}: D asks for {} tokens but P computed {}",
                     register.num_tokens, ready.kv.num_tokens
@@ -526,7 +542,9 @@ impl<T: Transport> Writer<T> {
             src: &src,
             dst: &dst,
         };
-        let plan = planner.plan(&request).map_err(|e| (FailReason::Refused, e.to_string()))?;
+        let plan = planner
+            .plan(&request)
+            .map_err(|e| (FailReason::Refused, Reason::Refused, e.to_string()))?;
         let runs = u32::try_from(plan.runs.len()).unwrap_or(u32::MAX);
         let done = Message::Done(Done {
             transfer_key: key.as_str().to_owned(),
@@ -548,6 +566,7 @@ impl<T: Transport> Writer<T> {
                 let age = age.map_or_else(|| "none".to_owned(), |age| format!("{age:.1?} old"));
                 return Err((
                     FailReason::Refused,
+                    Reason::LeaseLapsed,
                     format!(
                         "transfer {key}: D's last proof of life is {age}, past P's lease of \
                          {:?}; not writing into blocks D may have given up (is the link between \
@@ -561,7 +580,9 @@ impl<T: Transport> Writer<T> {
         let write = self
             .transport
             .post_write(agent, &plan.runs, self.memory, remote, &notification)
-            .map_err(|e| (FailReason::WriteError, format!("transfer {key}: {e}")))?;
+            .map_err(|e| {
+                (FailReason::WriteError, Reason::WriteError, format!("transfer {key}: {e}"))
+            })?;
         // The horizon's margin covers the moments between the check and the post; a process
         // stopped right there for longer (SIGSTOP, a VM pause) posted outside it. Nothing can
         // recall a posted WRITE: count it, so that an operator sees the fence was at risk.
@@ -626,7 +647,7 @@ impl<T: Transport> Writer<T> {
         let now = Instant::now();
         let finished =
             self.shared.table.finish(&w.key, w.epoch, TableOutcome::Failed(detail.clone()), now);
-        self.report_send(&w.ready, w.key.as_str(), Outcome::Quarantined(detail), Some((&w, now)));
+        self.report_send(&w.ready, w.key.as_str(), Outcome::quarantined(detail), Some((&w, now)));
         // A re-registration during the write is into other blocks: serve it.
         if let Some(m) = finished.ok().and_then(|finished| finished.rematch) {
             self.write(m);
@@ -647,7 +668,7 @@ impl<T: Transport> Writer<T> {
             Err(detail) => {
                 let fail = w.registration.fail(FailReason::WriteError, detail.clone());
                 self.send(w.registration.peer, Message::Fail(fail));
-                Outcome::Failed(detail)
+                Outcome::failed(Reason::WriteError, detail)
             }
         };
         let rematch = match finished {
@@ -761,7 +782,7 @@ impl<T: Transport> Writer<T> {
                 self.sources.remove(&source);
                 for request_id in waiting {
                     let detail = format!("cannot reach P at {source}: {reason}");
-                    self.end_receive(&request_id, Outcome::Failed(detail));
+                    self.end_receive(&request_id, Outcome::failed(Reason::Unreachable, detail));
                 }
             }
         }
@@ -791,7 +812,7 @@ impl<T: Transport> Writer<T> {
         if let Err(error) = self.side_channel.send(peer, &Message::Register(register)) {
             // The frame did not go out whole, so P refuses it: nothing can be written.
             let detail = format!("cannot register with P: {error}");
-            self.end_receive(request_id, Outcome::Failed(detail));
+            self.end_receive(request_id, Outcome::failed(Reason::Unreachable, detail));
         }
     }
 
@@ -824,7 +845,8 @@ impl<T: Transport> Writer<T> {
 
     fn cancel_expectation(&mut self, request_id: &str) {
         let Some(awaited) = self.awaited.get(request_id) else { return };
-        let outcome = Outcome::Cancelled(format!("request {request_id} cancelled by D"));
+        let outcome =
+            Outcome::cancelled(Reason::Cancelled, format!("request {request_id} cancelled by D"));
         match awaited.peer {
             // Nothing was registered yet, so nothing can be written.
             None => self.end_receive(request_id, outcome),
@@ -918,9 +940,9 @@ impl<T: Transport> Writer<T> {
                 let detail = format!("P: {} ({})", fail.detail, fail.reason.as_str());
                 let outcome = match (fail.reason, awaited.cancelling.take()) {
                     // P's WRITE may still be landing: whatever D wanted, the blocks stay held.
-                    (FailReason::Quarantined, _) => Outcome::Quarantined(detail),
+                    (FailReason::Quarantined, _) => Outcome::quarantined(detail),
                     (_, Some(cancelled)) => cancelled,
-                    (_, None) => Outcome::Failed(detail),
+                    (reason, None) => Outcome::failed(Reason::of_fail(&reason), detail),
                 };
                 self.end_receive(&fail.request_id, outcome);
             }
@@ -958,10 +980,13 @@ impl<T: Transport> Writer<T> {
                 continue;
             }
             let outcome = awaited.cancelling.take().unwrap_or_else(|| {
-                Outcome::Failed(format!(
+                Outcome::failed(
+                    Reason::PeerLost,
+                    format!(
                     "lost P for request {request_id}: {reason}; reported once P's write horizon \
                      ({horizon:.1?}) had passed, so no write of P's can still land"
-                ))
+                ),
+                )
             });
             awaited.cancel_deadline = None;
             awaited.fenced = Some((at + horizon, outcome));
@@ -982,7 +1007,8 @@ impl<T: Transport> Writer<T> {
             }
             if let Some(ready) = expired.ready {
                 let reason = format!("no registration from D for transfer {} in time", expired.key);
-                self.report_send(&ready, expired.key.as_str(), Outcome::Cancelled(reason), None);
+                let outcome = Outcome::cancelled(Reason::Expired, reason);
+                self.report_send(&ready, expired.key.as_str(), outcome, None);
             }
         }
         if self.awaited.is_empty() {
@@ -1020,9 +1046,9 @@ impl<T: Transport> Writer<T> {
             let detail =
                 format!("no KV for request {request_id} within {:?}", awaited.expectation.ttl);
             match awaited.peer {
-                None => self.end_receive(&request_id, Outcome::Failed(detail)),
+                None => self.end_receive(&request_id, Outcome::failed(Reason::Expired, detail)),
                 // Free nothing until P confirms no write can land (or its horizon passed).
-                Some(_) => self.send_cancel(&request_id, Outcome::Failed(detail)),
+                Some(_) => self.send_cancel(&request_id, Outcome::failed(Reason::Expired, detail)),
             }
         }
     }
@@ -1054,7 +1080,7 @@ impl<T: Transport> Writer<T> {
                 self.report_send(
                     &ready,
                     expired.key.as_str(),
-                    Outcome::Failed(reason.clone()),
+                    Outcome::failed(Reason::WriterDied, reason.clone()),
                     None,
                 );
             }
@@ -1063,14 +1089,17 @@ impl<T: Transport> Writer<T> {
         for request_id in ids {
             let Some(awaited) = self.awaited.get(&request_id) else { continue };
             let Some(peer) = awaited.peer else {
-                self.end_receive(&request_id, Outcome::Failed(reason.clone()));
+                self.end_receive(&request_id, Outcome::failed(Reason::WriterDied, reason.clone()));
                 continue;
             };
             let until = at + self.horizon(peer);
             if let Some(awaited) = self.awaited.get_mut(&request_id) {
                 if awaited.fenced.is_none() {
                     let outcome = awaited.cancelling.take().unwrap_or_else(|| {
-                        Outcome::Failed(format!("{reason}; reported after P's write horizon"))
+                        Outcome::failed(
+                            Reason::WriterDied,
+                            format!("{reason}; reported after P's write horizon"),
+                        )
                     });
                     awaited.fenced = Some((until, outcome));
                 }
@@ -1093,7 +1122,7 @@ impl<T: Transport> Writer<T> {
                             &expectation.request_id,
                         ),
                         request_id: expectation.request_id,
-                        outcome: Outcome::Failed(detail),
+                        outcome: Outcome::failed(Reason::WriterDied, detail),
                         bytes: 0,
                         runs: 0,
                         timeline: Timeline::default(),
@@ -1130,7 +1159,7 @@ impl<T: Transport> Writer<T> {
         }
         let awaited: Vec<String> = self.awaited.keys().cloned().collect();
         for request_id in awaited {
-            self.end_receive(&request_id, Outcome::Failed("the endpoint closed".to_owned()));
+            self.end_receive(&request_id, Outcome::failed(Reason::Closed, "the endpoint closed"));
         }
         // Closing the request queue ends the connector thread after its current attempt.
         self.connect_requests = None;
