@@ -425,3 +425,32 @@ def test_pipeline_stages_get_ports_of_their_own_and_are_refused_for_now() -> Non
     staged = PushWorker(config, Model(HEADS, HEAD, 32, pp_rank=1, pp_size=2))
     with pytest.raises(LayoutError, match="pipeline stages"):
         staged.register([view(c) for c in cpu_caches(2, 8, 32, seed=None)])
+
+
+def test_ps_answer_names_p_so_that_a_router_can_forward_it_to_d_unchanged() -> None:
+    """llm-d's push dispatch learns P's identity from a prefill's answer and forwards its
+    kv_transfer_params to D: they must carry everything D's scheduler needs, and D must accept
+    them as they are."""
+    identity = {
+        "remote_engine_id": "prefill-7",
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+        "tp_size": 2,
+        "pp_size": 1,
+    }
+    p_sched = PushScheduler(identity)
+    _, answer = p_sched.finished(
+        "p-9", {"do_remote_decode": True, "transfer_id": "xfer-9"}, True, [[1, 2]], 20
+    )
+    assert answer is not None
+    assert {k: answer[k] for k in identity} == identity
+    assert answer["do_remote_prefill"] is True
+    assert answer["transfer_mode"] == "push"
+    assert answer["transfer_id"] == "xfer-9"
+    d_sched = PushScheduler()
+    forwarded = dict(answer)
+    assert d_sched.external_tokens("d-9", forwarded, prompt_tokens=20, num_computed=0) == (20, True)
+    d_sched.allocated("d-9", forwarded, [[5, 6]], 0, 20, 20)
+    (recv,) = d_sched.take_metadata().recvs
+    assert (recv.remote_host, recv.remote_port, recv.remote_tp_size) == ("10.0.0.7", 5600, 2)
+    assert recv.transfer_id == "xfer-9"

@@ -117,7 +117,11 @@ class PushScheduler:
     """Per-request decisions of the scheduler role (P and D alike: a ``kv_both`` engine is
     both)."""
 
-    def __init__(self) -> None:
+    def __init__(self, identity: Mapping[str, Any] | None = None) -> None:
+        #: P's identity, returned with every finished prefill's kv_transfer_params (engine id,
+        #: side-channel host and base port, TP and PP sizes): a router that learns P from its
+        #: answer (llm-d's push dispatch) forwards them to D, which needs nothing else.
+        self._identity = dict(identity or {})
         self._pending = PushMetadata()
         self._sending: set[str] = set()
         self._receiving: set[str] = set()
@@ -216,7 +220,13 @@ class PushScheduler:
                 num_tokens=prompt_tokens,
             )
         )
-        return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push"}
+        return True, {
+            **self._identity,
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_mode": "push",
+            **({"transfer_id": transfer_id} if transfer_id else {}),
+        }
 
     # ---- every step -----------------------------------------------------------------------
 

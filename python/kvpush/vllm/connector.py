@@ -192,6 +192,19 @@ def _worker_config(vllm_config: VllmConfig) -> WorkerConfig:
     )
 
 
+def _identity(vllm_config: VllmConfig) -> dict[str, Any]:
+    """What a router needs to send D to this engine as P: the fields of vLLM's push contract."""
+    worker = _worker_config(vllm_config)
+    parallel = vllm_config.parallel_config
+    return {
+        "remote_engine_id": worker.engine_id,
+        "remote_host": worker.side_channel_host,
+        "remote_port": worker.side_channel_port,
+        "tp_size": parallel.tensor_parallel_size,
+        "pp_size": parallel.pipeline_parallel_size,
+    }
+
+
 class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Push-based KV transfer: D registers its blocks while P computes; P's native writer
     thread WRITEs the moment both halves are present."""
@@ -210,7 +223,7 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = PushScheduler()
+            self._scheduler = PushScheduler(_identity(vllm_config))
             return
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
