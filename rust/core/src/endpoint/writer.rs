@@ -213,6 +213,10 @@ pub(crate) struct Writer<T: Transport> {
     /// P: writes abandoned that the transport could not release: their blocks stay held.
     quarantined: Vec<InFlight>,
     awaited: HashMap<String, Awaited>,
+    /// D: some awaited receive is not fenced (its DONEs may come any moment): poll busily.
+    /// Set by every new expectation, recomputed at each deadline check, so that the poll period
+    /// does not scan `awaited` on every turn of the loop.
+    awaits_kv: bool,
     sources: HashMap<String, Source>,
     connect_requests: Option<Sender<String>>,
     connector: Option<JoinHandle<()>>,
@@ -261,6 +265,7 @@ impl<T: Transport> Writer<T> {
             in_flight: Vec::new(),
             quarantined: Vec::new(),
             awaited: HashMap::new(),
+            awaits_kv: false,
             sources: HashMap::new(),
             connect_requests: None,
             connector: None,
@@ -313,7 +318,7 @@ impl<T: Transport> Writer<T> {
 
     /// How long the next wait on the inbox may last (see the module docs).
     fn poll_period(&self) -> Duration {
-        if !self.in_flight.is_empty() || self.awaited.values().any(|a| a.fenced.is_none()) {
+        if !self.in_flight.is_empty() || self.awaits_kv {
             BUSY_POLL
         } else if !self.shared.table.is_empty() || self.last_command.elapsed() < SETTLE {
             IDLE_POLL
@@ -717,6 +722,7 @@ impl<T: Transport> Writer<T> {
         };
         // A re-registration (higher epoch) replaces the old wait; P supersedes the old one.
         self.awaited.insert(request_id.clone(), awaited);
+        self.awaits_kv = true;
         match self.sources.get(&source) {
             Some(Source::Connected(peer)) => {
                 let peer = *peer;
@@ -1011,6 +1017,7 @@ impl<T: Transport> Writer<T> {
                 self.report_send(&ready, expired.key.as_str(), outcome, None);
             }
         }
+        self.awaits_kv = self.awaited.values().any(|a| a.fenced.is_none());
         if self.awaited.is_empty() {
             return;
         }

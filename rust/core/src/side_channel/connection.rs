@@ -299,25 +299,11 @@ pub(super) fn read_hello(
     }
 }
 
-/// Connector: reads the acceptor's welcome (its Attach: it loaded our metadata and joined us,
-/// and sends its own) by `deadline`; from then on frames may be as large as the limits allow.
-pub(super) fn read_welcome(
-    shared: &Shared,
-    conn: &Connection,
-    inbound: &mut Inbound,
-    deadline: Instant,
-) -> Result<Attach, HandshakeError> {
-    inbound.frames.set_max_frame_bytes(shared.config.limits.max_frame_bytes);
-    match read_handshake(shared, conn, inbound, deadline, "attach")? {
-        Message::Attach(attach) => Ok(attach),
-        _ => unreachable!("read_handshake returns only the kind asked for"),
-    }
-}
-
-/// Acceptor: reads the connector's Attach by `deadline`. Its metadata may be large, but the
-/// buffer grows only with the bytes that arrive, and the whole handshake is bounded in time.
-/// (The connector reads ours, the welcome, with [`read_welcome`].)
-fn read_attach(
+/// Reads the peer's Attach by `deadline`: the acceptor reads the connector's (its proof and
+/// agent metadata), the connector the acceptor's welcome (likewise). The metadata may be large,
+/// but the buffer grows only with the bytes that arrive, and the whole handshake is bounded in
+/// time; from here on frames may be as large as the limits allow.
+pub(super) fn read_attach(
     shared: &Shared,
     conn: &Connection,
     inbound: &mut Inbound,

@@ -519,7 +519,7 @@ impl SideChannel {
         });
         conn.send(&shared.encoder, &attach)
             .map_err(|error| handshake_error(format!("sending our attach failed: {error}")))?;
-        let welcome = connection::read_welcome(shared, &conn, &mut inbound, deadline)
+        let welcome = connection::read_attach(shared, &conn, &mut inbound, deadline)
             .map_err(|error| refused(&conn, error))?;
         if welcome.echo != nonce {
             connection::wrong_echo(shared, &conn, "attach");
