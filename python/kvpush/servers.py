@@ -23,6 +23,7 @@ import functools
 import http.client
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -94,12 +95,45 @@ class ServerError(RuntimeError):
     """A server that exited, did not become healthy in time, or answered with an error."""
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on right now (the kernel's choice, so parallel runs differ)."""
+#: Ports a server's workers listen on above its side-channel port (``port + tp_rank``).
+PORT_SPAN = 8
+
+
+def free_port(span: int = PORT_SPAN) -> int:
+    """A port that, with the ``span - 1`` above it, nothing listens on right now.
+
+    Chosen below the kernel's ephemeral range (``ip_local_port_range``): vLLM, ZeroMQ and UCX
+    take their own ports with ``bind(0)`` from that range while the servers start, and one of
+    them could take a port picked here from the same range before its server binds it (the
+    server then dies with "address already in use"). Falls back to the kernel's choice when the
+    range leaves no room below it.
+    """
+    low = _ephemeral_low()
+    candidates = list(range(max(1024, low - 16384), low - span))
+    random.shuffle(candidates)
+    for port in candidates[:256]:
+        if all(_bindable(p) for p in range(port, port + span)):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+        return True
 
 
 @dataclass

@@ -55,13 +55,15 @@ class VllmServer(servers.VllmServer):
         while not self.is_healthy():
             if self.exit_code() is not None:
                 raise RuntimeError(
-                    f"{self.name}: exited with {self.exit_code()} before it was healthy; "
+                    f"{self.name}: exited with {self.exit_code()} before it was healthy "
+                    f"({self.first_error() or 'no exception in the log'}); "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(
-                    f"{self.name}: not healthy within {timeout_s:.0f} s; "
+                    f"{self.name}: not healthy within {timeout_s:.0f} s "
+                    f"({self.first_error() or 'no exception in the log'}); "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             if now >= next_progress:
