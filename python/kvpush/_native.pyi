@@ -287,7 +287,7 @@ class Endpoint:
     def expect(
         self,
         request_id: str,
-        source: str,
+        source: str | Sequence[str],
         blocks: Sequence[Sequence[int]] | Sequence[int],
         num_tokens: int,
         *,
@@ -295,7 +295,6 @@ class Endpoint:
         first_tokens: Sequence[int] | None = None,
         epoch: int = 1,
         ttl: float = 30.0,
-        sources: int = 1,
     ) -> None: ...
     def cancel(self, request_id: str) -> None: ...
     def poll(self) -> list[TransferEvent]: ...

@@ -191,12 +191,11 @@ fn expectation(
     Expectation {
         request_id: request_id.into(),
         transfer_id: None,
-        source: source.address().to_string(),
+        sources: vec![source.address().to_string()],
         groups: group(first, blocks),
         num_tokens: tokens,
         epoch: 1,
         ttl: Duration::from_secs(30),
-        sources: 1,
     }
 }
 
@@ -287,7 +286,7 @@ fn unreachable_p_fails_the_expectation_with_the_address() {
     let closed = listener.local_addr().unwrap();
     drop(listener);
     let mut e = expectation(&d, "req-nowhere", &[1], 0, 10);
-    e.source = closed.to_string();
+    e.sources = vec![closed.to_string()];
     d.expect(e).unwrap();
     let received = events(&d, 1);
     assert!(
@@ -457,7 +456,7 @@ fn a_cancel_p_never_acknowledges_ends_after_the_disconnect_and_the_horizon() {
     };
     let p = SideChannel::start(config, hello, std::sync::Arc::new(SilentP)).unwrap();
     let mut e = expectation(&d, "req-unacked", &[1, 2], 0, 20);
-    e.source = p.local_addr().to_string();
+    e.sources = vec![p.local_addr().to_string()];
     d.expect(e).unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     while p.peers().is_empty() && Instant::now() < deadline {

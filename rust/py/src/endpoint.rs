@@ -383,37 +383,33 @@ impl Endpoint {
         })
     }
 
-    /// D: register `blocks` with the P at `source` and await the KV (one DONE per source rank).
+    /// D: register `blocks` with the P at `source` (a `host:port`, or a list of them: every P
+    /// rank that holds some of this rank's heads) and await the KV: one DONE from each.
     #[pyo3(signature = (
         request_id, source, blocks, num_tokens, *, transfer_id = None, first_tokens = None,
-        epoch = 1, ttl = 30.0, sources = 1
+        epoch = 1, ttl = 30.0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn expect(
         &self,
         py: Python<'_>,
         request_id: String,
-        source: String,
+        source: Sources,
         blocks: crate::planner::Groups,
         num_tokens: u64,
         transfer_id: Option<String>,
         first_tokens: Option<Vec<u64>>,
         epoch: u64,
         ttl: f64,
-        sources: u32,
     ) -> PyResult<()> {
-        if sources == 0 {
-            return Err(PyValueError::new_err("sources must be at least 1"));
-        }
         let expectation = Expectation {
             request_id,
             transfer_id,
-            source,
+            sources: source.into_vec(),
             groups: groups(blocks, first_tokens)?,
             num_tokens,
             epoch,
             ttl: seconds(ttl, "ttl")?,
-            sources,
         };
         native(py, || self.0.expect(expectation).map_err(Error::from))
     }
@@ -504,5 +500,21 @@ impl Endpoint {
             self.0.address().to_string(),
             self.0.pending()
         )
+    }
+}
+
+/// Where D receives from: one P address, or several (one per P rank).
+#[derive(FromPyObject)]
+enum Sources {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Sources {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            Self::One(source) => vec![source],
+            Self::Many(sources) => sources,
+        }
     }
 }

@@ -23,6 +23,7 @@
 
 mod control;
 mod events;
+mod receive;
 mod writer;
 
 use std::net::SocketAddr;
@@ -160,8 +161,10 @@ pub struct Expectation {
     pub request_id: String,
     /// The router's transfer id, when it sent one.
     pub transfer_id: Option<String>,
-    /// P's side channel address, `host:port`.
-    pub source: String,
+    /// The side channel address, `host:port`, of every P rank that writes into this D rank:
+    /// one when P and D run the same tensor parallel size, several when P runs a larger one
+    /// (each holds some of D's heads). The receive is done once each of them sent its DONE.
+    pub sources: Vec<String>,
     /// D's destination blocks per KV cache group (the uncached suffix).
     pub groups: Vec<BlockGroup>,
     /// Tokens in the prompt.
@@ -170,8 +173,6 @@ pub struct Expectation {
     pub epoch: Epoch,
     /// How long D waits for the KV before cancelling.
     pub ttl: Duration,
-    /// DONEs to wait for: one per P rank that writes into this D rank.
-    pub sources: u32,
 }
 
 /// What [`Endpoint::abort`] did.
@@ -468,6 +469,7 @@ impl Endpoint {
     pub fn expect(&self, expectation: Expectation) -> Result<(), EndpointError> {
         self.shared.health().map_err(EndpointError::Unhealthy)?;
         check_ttl(&expectation.request_id, expectation.ttl)?;
+        check_sources(&expectation)?;
         if self.shared.send(Command::Expect(expectation, Instant::now())) {
             Ok(())
         } else {
@@ -563,6 +565,23 @@ fn check_ttl(request_id: &str, ttl: Duration) -> Result<(), EndpointError> {
              lease",
             ttl.as_secs_f64(),
             MAX_TTL.as_secs()
+        )));
+    }
+    Ok(())
+}
+
+/// An expectation names at least one P rank, each once (a rank's DONE counts once).
+fn check_sources(expectation: &Expectation) -> Result<(), EndpointError> {
+    let request_id = &expectation.request_id;
+    if expectation.sources.is_empty() {
+        return Err(EndpointError::Invalid(format!(
+            "request {request_id}: no P address to receive from"
+        )));
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(twice) = expectation.sources.iter().find(|s| !seen.insert(s.as_str())) {
+        return Err(EndpointError::Invalid(format!(
+            "request {request_id}: P address {twice} named twice; name each P rank once"
         )));
     }
     Ok(())

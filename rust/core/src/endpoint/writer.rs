@@ -25,7 +25,7 @@
 //!   has; a reconnect never tears down the NIXL agent the new connection uses (agents are
 //!   reference-counted by name, and names are unique per process).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
@@ -44,6 +44,7 @@ use crate::transport::{MemorySpace, Notification, Transport, WriteId, WriteState
 
 use super::control::Slot;
 use super::events::{Event, Outcome, Reason, Role, Timeline};
+use super::receive::{Awaited, LegState, Stop};
 use super::{Counters, EndpointConfig, Expectation, ReadyKv, Shared, HORIZON_MARGIN};
 
 /// Poll period while writes are in flight or DONEs awaited.
@@ -137,6 +138,9 @@ struct Peer {
     memory: MemorySpace,
     /// D: how long after losing this P it may still be writing (its advertised horizon).
     horizon: Duration,
+    /// The model's KV heads the peer holds, and how many ranks its engine splits them over.
+    heads: std::ops::Range<u64>,
+    tp_size: u32,
 }
 
 /// P: a posted WRITE.
@@ -160,30 +164,6 @@ type Posted = (WriteId, u64, u32, String);
 
 /// P: why a WRITE was not posted: the FAIL reason for D, the code and detail for P's event.
 type Refusal = (FailReason, Reason, String);
-
-/// D: a request awaiting its KV.
-#[derive(Debug)]
-struct Awaited {
-    expectation: Expectation,
-    key: TransferKey,
-    /// The P connection the registration went to (None while connecting).
-    peer: Option<PeerId>,
-    /// The agent name of that P: a DONE from any other agent is not ours.
-    source_agent: Option<String>,
-    /// P agents whose DONE arrived.
-    done_from: HashSet<String>,
-    bytes: u64,
-    runs: u32,
-    deadline: Instant,
-    registered: Instant,
-    /// A CANCEL was sent (with the outcome to report once P acknowledges).
-    cancelling: Option<Outcome>,
-    /// When P must have acknowledged the CANCEL; past it D drops the connection (so that P's
-    /// lease runs out) and waits out the horizon.
-    cancel_deadline: Option<Instant>,
-    /// P is unreachable: the outcome to report, and when no write of P's can land any more.
-    fenced: Option<(Instant, Outcome)>,
-}
 
 /// D: a side channel connection to a P, by its address.
 #[derive(Debug)]
@@ -392,8 +372,15 @@ impl<T: Transport> Writer<T> {
             0 => MAX_HORIZON,
             ms => Duration::from_millis(ms).min(MAX_HORIZON),
         };
-        let peer =
-            Peer { name: hello.agent_name.clone(), agent, planner, memory: hello.memory, horizon };
+        let peer = Peer {
+            name: hello.agent_name.clone(),
+            agent,
+            planner,
+            memory: hello.memory,
+            horizon,
+            heads: hello.layout.global_heads(),
+            tp_size: hello.layout.tp_size,
+        };
         self.peers.insert(info.id, peer);
     }
 
@@ -704,36 +691,25 @@ impl<T: Transport> Writer<T> {
     fn expect(&mut self, expectation: Expectation, at: Instant) {
         let key =
             TransferKey::for_request(expectation.transfer_id.as_deref(), &expectation.request_id);
-        let source = expectation.source.clone();
         let request_id = expectation.request_id.clone();
-        let awaited = Awaited {
-            deadline: at + expectation.ttl,
-            expectation,
-            key,
-            peer: None,
-            source_agent: None,
-            done_from: HashSet::new(),
-            bytes: 0,
-            runs: 0,
-            registered: at,
-            cancelling: None,
-            cancel_deadline: None,
-            fenced: None,
-        };
+        let sources = expectation.sources.clone();
         // A re-registration (higher epoch) replaces the old wait; P supersedes the old one.
-        self.awaited.insert(request_id.clone(), awaited);
+        self.awaited.insert(request_id.clone(), Awaited::new(expectation, key, at));
         self.awaits_kv = true;
-        match self.sources.get(&source) {
-            Some(Source::Connected(peer)) => {
-                let peer = *peer;
-                self.register_with(peer, &request_id);
-            }
-            Some(Source::Connecting) => {}
-            None => {
-                self.sources.insert(source.clone(), Source::Connecting);
-                self.request_connect(source);
+        for (leg, source) in sources.into_iter().enumerate() {
+            match self.sources.get(&source) {
+                Some(Source::Connected(peer)) => {
+                    let peer = *peer;
+                    self.register_with(peer, &request_id, leg);
+                }
+                Some(Source::Connecting) => {}
+                None => {
+                    self.sources.insert(source.clone(), Source::Connecting);
+                    self.request_connect(source);
+                }
             }
         }
+        self.settle(&request_id);
     }
 
     fn request_connect(&mut self, source: String) {
@@ -771,34 +747,57 @@ impl<T: Transport> Writer<T> {
     }
 
     fn connected(&mut self, source: String, result: Result<PeerInfo, String>) {
-        let waiting: Vec<String> = self
+        let waiting: Vec<(String, usize)> = self
             .awaited
             .iter()
-            .filter(|(_, a)| a.peer.is_none() && a.expectation.source == source)
-            .map(|(id, _)| id.clone())
+            .flat_map(|(id, a)| {
+                a.legs
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, leg)| {
+                        matches!(leg.state, LegState::Connecting) && leg.source == source
+                    })
+                    .map(move |(leg, _)| (id.clone(), leg))
+            })
             .collect();
         match result {
             Ok(info) => {
                 self.sources.insert(source, Source::Connected(info.id));
-                for request_id in waiting {
-                    self.register_with(info.id, &request_id);
+                for (request_id, leg) in waiting {
+                    self.register_with(info.id, &request_id, leg);
                 }
             }
             Err(reason) => {
                 self.sources.remove(&source);
-                for request_id in waiting {
-                    let detail = format!("cannot reach P at {source}: {reason}");
-                    self.end_receive(&request_id, Outcome::failed(Reason::Unreachable, detail));
+                for (request_id, leg) in waiting {
+                    let Some(awaited) = self.awaited.get(&request_id) else { continue };
+                    let detail = format!("cannot reach {}: {reason}", awaited.label(leg));
+                    self.end_leg(
+                        &request_id,
+                        leg,
+                        Some(Outcome::failed(Reason::Unreachable, detail)),
+                    );
                 }
             }
         }
     }
 
-    fn register_with(&mut self, peer: PeerId, request_id: &str) {
-        let source_agent = self.peers.get(&peer).map(|p| p.name.clone());
+    fn register_with(&mut self, peer: PeerId, request_id: &str, leg: usize) {
+        let agent = self.peers.get(&peer).map(|p| p.name.clone());
+        let mismatch =
+            self.awaited.get(request_id).and_then(|a| self.source_mismatch(peer, a, leg));
         let Some(awaited) = self.awaited.get_mut(request_id) else { return };
-        awaited.peer = Some(peer);
-        awaited.source_agent = source_agent;
+        if !matches!(awaited.legs[leg].state, LegState::Connecting) {
+            // Cancelled (or failed) while connecting: nothing to register.
+            return;
+        }
+        if let Some(detail) = mismatch {
+            self.end_leg(request_id, leg, Some(Outcome::failed(Reason::Incompatible, detail)));
+            return;
+        }
+        awaited.legs[leg].peer = Some(peer);
+        awaited.legs[leg].agent = agent;
+        awaited.legs[leg].state = LegState::Registered;
         let e = &awaited.expectation;
         let ttl_ms =
             u64::try_from(awaited.deadline.saturating_duration_since(Instant::now()).as_millis())
@@ -817,9 +816,35 @@ impl<T: Transport> Writer<T> {
         };
         if let Err(error) = self.side_channel.send(peer, &Message::Register(register)) {
             // The frame did not go out whole, so P refuses it: nothing can be written.
-            let detail = format!("cannot register with P: {error}");
-            self.end_receive(request_id, Outcome::failed(Reason::Unreachable, detail));
+            let detail = format!("cannot register with {}: {error}", awaited.label(leg));
+            self.end_leg(request_id, leg, Some(Outcome::failed(Reason::Unreachable, detail)));
         }
+    }
+
+    /// Why the P rank behind `peer` cannot be leg `leg` of `awaited`: it holds none of this
+    /// rank's heads, or this rank's heads come from a different number of P ranks than the
+    /// expectation names (a router that left out P's tensor parallel size would otherwise get
+    /// half the heads reported done).
+    fn source_mismatch(&self, peer: PeerId, awaited: &Awaited, leg: usize) -> Option<String> {
+        let p = self.peers.get(&peer)?;
+        let mine = self.layout.global_heads();
+        let label = awaited.label(leg);
+        if p.heads.end <= mine.start || mine.end <= p.heads.start {
+            return Some(format!(
+                "{label} holds KV heads {:?} of tp={}, none of this D rank's {mine:?}",
+                p.heads, p.tp_size
+            ));
+        }
+        let per_rank = (p.heads.end - p.heads.start).max(1);
+        let needed = (mine.end - 1) / per_rank - mine.start / per_rank + 1;
+        let named = awaited.legs.len() as u64;
+        (needed != named).then(|| {
+            format!(
+                "this D rank's KV heads {mine:?} come from {needed} rank(s) of P (tp={}), but the \
+                 request names {named}: the router must pass P's tp_size in kv_transfer_params",
+                p.tp_size
+            )
+        })
     }
 
     /// The horizon of the P behind `peer` (the longest one when it is unknown).
@@ -827,37 +852,55 @@ impl<T: Transport> Writer<T> {
         self.peers.get(&peer).map_or(MAX_HORIZON, |p| p.horizon)
     }
 
-    /// Sends P a CANCEL for `request_id`, to report `outcome` once P acknowledged it.
-    fn send_cancel(&mut self, request_id: &str, outcome: Outcome) {
-        let Some(peer) = self.awaited.get(request_id).and_then(|a| a.peer) else { return };
-        let deadline = Instant::now() + self.horizon(peer);
+    /// Leg `leg` of `request_id` is over (with `failure`, the receive fails and its other legs
+    /// are cancelled); the receive is reported once its last leg is over.
+    fn end_leg(&mut self, request_id: &str, leg: usize, failure: Option<Outcome>) {
         let Some(awaited) = self.awaited.get_mut(request_id) else { return };
-        if let Some((_, fenced)) = &mut awaited.fenced {
-            // P is unreachable already: the horizon ends it; report the cancel then.
-            if !matches!(fenced, Outcome::Quarantined(_)) {
-                *fenced = outcome;
+        let stops = awaited.end_leg(leg, failure);
+        self.stop_legs(request_id, &stops);
+        self.settle(request_id);
+    }
+
+    /// The receive ends with `outcome` once no leg can still write: registered legs are
+    /// cancelled, fenced ones wait out their horizons.
+    fn cancel_receive(&mut self, request_id: &str, outcome: Outcome) {
+        let Some(awaited) = self.awaited.get_mut(request_id) else { return };
+        let stops = awaited.cancel(outcome);
+        self.stop_legs(request_id, &stops);
+        self.settle(request_id);
+    }
+
+    /// Sends the CANCELs `stops` calls for; each P must acknowledge within its horizon.
+    fn stop_legs(&mut self, request_id: &str, stops: &[Stop]) {
+        for &Stop::Cancel(peer) in stops {
+            let deadline = Instant::now() + self.horizon(peer);
+            let Some(awaited) = self.awaited.get_mut(request_id) else { return };
+            if let Some(leg) = awaited.leg_on(peer) {
+                awaited.legs[leg].state = LegState::Cancelling { deadline: Some(deadline) };
             }
-            return;
+            let cancel = Cancel {
+                transfer_key: awaited.key.as_str().to_owned(),
+                request_id: request_id.to_owned(),
+                epoch: awaited.expectation.epoch,
+            };
+            self.send(peer, Message::Cancel(cancel));
         }
-        awaited.cancelling = Some(outcome);
-        awaited.cancel_deadline = Some(deadline);
-        let cancel = Cancel {
-            transfer_key: awaited.key.as_str().to_owned(),
-            request_id: request_id.to_owned(),
-            epoch: awaited.expectation.epoch,
-        };
-        self.send(peer, Message::Cancel(cancel));
     }
 
     fn cancel_expectation(&mut self, request_id: &str) {
-        let Some(awaited) = self.awaited.get(request_id) else { return };
         let outcome =
             Outcome::cancelled(Reason::Cancelled, format!("request {request_id} cancelled by D"));
-        match awaited.peer {
-            // Nothing was registered yet, so nothing can be written.
-            None => self.end_receive(request_id, outcome),
-            Some(_) => self.send_cancel(request_id, outcome),
+        self.cancel_receive(request_id, outcome);
+    }
+
+    /// Reports `request_id`'s receive if its last leg is over.
+    fn settle(&mut self, request_id: &str) {
+        let Some(awaited) = self.awaited.get_mut(request_id) else { return };
+        if !awaited.is_over() {
+            return;
         }
+        let outcome = awaited.outcome();
+        self.end_receive(request_id, outcome);
     }
 
     fn end_receive(&mut self, request_id: &str, outcome: Outcome) {
@@ -900,37 +943,21 @@ impl<T: Transport> Writer<T> {
     }
 
     fn done(&mut self, from: &str, done: Done) {
-        let known_agent = self.peers.values().any(|p| p.name == from);
-        let awaited = self.awaited.get_mut(&done.request_id).filter(|a| {
-            let from_source = if a.expectation.sources == 1 {
-                a.source_agent.as_deref() == Some(from)
-            } else {
-                a.source_agent.as_deref() == Some(from) || known_agent
-            };
-            from_source && a.key.as_str() == done.transfer_key && a.expectation.epoch == done.epoch
-        });
-        let Some(awaited) = awaited else {
-            // Ended already, an older epoch's write into blocks D has since re-registered, or
-            // from an agent D did not register with.
+        // Only the P agent a leg registered with may end it: a DONE from anyone else, for an
+        // ended receive, or for an older epoch (blocks D has since re-registered) is stray.
+        let leg = self
+            .awaited
+            .get(&done.request_id)
+            .filter(|a| a.key.as_str() == done.transfer_key && a.expectation.epoch == done.epoch)
+            .and_then(|a| a.leg_of_agent(from));
+        let (Some(leg), Some(awaited)) = (leg, self.awaited.get_mut(&done.request_id)) else {
             Counters::add(&self.shared.counters.stray_notifications);
             return;
         };
-        if awaited.done_from.insert(from.to_owned()) {
-            awaited.bytes += done.bytes;
-            awaited.runs = awaited.runs.saturating_add(done.runs);
-        }
-        let complete = awaited.done_from.len() >= awaited.expectation.sources as usize;
-        if complete {
-            let outcome = match (awaited.cancelling.take(), awaited.fenced.take()) {
-                // The write beat the cancel: the KV is here, but D no longer wants it.
-                (Some(cancelled), _) | (None, Some((_, cancelled @ Outcome::Cancelled(_)))) => {
-                    cancelled
-                }
-                _ => Outcome::Done,
-            };
-            let request_id = done.request_id;
-            self.end_receive(&request_id, outcome);
-        }
+        awaited.bytes += done.bytes;
+        awaited.runs = awaited.runs.saturating_add(done.runs);
+        // Whatever D wanted since (a cancel, another rank's failure), this leg's KV is here.
+        self.end_leg(&done.request_id, leg, None);
     }
 
     fn peer_message(&mut self, peer: PeerId, message: Message) {
@@ -938,28 +965,40 @@ impl<T: Transport> Writer<T> {
             Message::Fail(fail) => {
                 let Some(awaited) = self
                     .awaited
-                    .get_mut(&fail.request_id)
-                    .filter(|a| a.peer == Some(peer) && a.expectation.epoch == fail.epoch)
+                    .get(&fail.request_id)
+                    .filter(|a| a.expectation.epoch == fail.epoch)
                 else {
                     return;
                 };
-                let detail = format!("P: {} ({})", fail.detail, fail.reason.as_str());
-                let outcome = match (fail.reason, awaited.cancelling.take()) {
-                    // P's WRITE may still be landing: whatever D wanted, the blocks stay held.
-                    (FailReason::Quarantined, _) => Outcome::quarantined(detail),
-                    (_, Some(cancelled)) => cancelled,
-                    (reason, None) => Outcome::failed(Reason::of_fail(&reason), detail),
+                let Some(leg) = awaited
+                    .leg_on(peer)
+                    .filter(|&leg| !matches!(awaited.legs[leg].state, LegState::Over))
+                else {
+                    return;
                 };
-                self.end_receive(&fail.request_id, outcome);
+                let detail =
+                    format!("{}: {} ({})", awaited.label(leg), fail.detail, fail.reason.as_str());
+                let outcome = match fail.reason {
+                    // P's WRITE may still be landing: whatever D wanted, the blocks stay held.
+                    FailReason::Quarantined => Outcome::quarantined(detail),
+                    reason => Outcome::failed(Reason::of_fail(&reason), detail),
+                };
+                self.end_leg(&fail.request_id, leg, Some(outcome));
             }
             Message::CancelAck(ack) => {
-                let cancelled = self
+                let leg = self
                     .awaited
-                    .get_mut(&ack.request_id)
-                    .filter(|a| a.peer == Some(peer) && a.expectation.epoch == ack.epoch)
-                    .and_then(|a| a.cancelling.take());
-                if let Some(outcome) = cancelled {
-                    self.end_receive(&ack.request_id, outcome);
+                    .get(&ack.request_id)
+                    .filter(|a| a.expectation.epoch == ack.epoch)
+                    .and_then(|a| a.leg_on(peer))
+                    .filter(|&leg| {
+                        matches!(
+                            self.awaited[&ack.request_id].legs[leg].state,
+                            LegState::Cancelling { .. }
+                        )
+                    });
+                if let Some(leg) = leg {
+                    self.end_leg(&ack.request_id, leg, None);
                 }
             }
             // Error replies, stray DONEs on the side channel: nothing is waiting on them.
@@ -982,20 +1021,16 @@ impl<T: Transport> Writer<T> {
         // D: a lost connection is not proof that P stopped. P writes only while our proof of
         // life is fresh, and we stopped giving it when the connection closed, at `at`.
         for (request_id, awaited) in &mut self.awaited {
-            if awaited.peer != Some(peer) || awaited.fenced.is_some() {
-                continue;
-            }
-            let outcome = awaited.cancelling.take().unwrap_or_else(|| {
-                Outcome::failed(
-                    Reason::PeerLost,
-                    format!(
-                    "lost P for request {request_id}: {reason}; reported once P's write horizon \
-                     ({horizon:.1?}) had passed, so no write of P's can still land"
+            let Some(leg) = awaited.leg_on(peer) else { continue };
+            let outcome = Outcome::failed(
+                Reason::PeerLost,
+                format!(
+                    "lost {} for request {request_id}: {reason}; reported once P's write horizon \
+                     ({horizon:.1?}) had passed, so no write of P's can still land",
+                    awaited.label(leg)
                 ),
-                )
-            });
-            awaited.cancel_deadline = None;
-            awaited.fenced = Some((at + horizon, outcome));
+            );
+            awaited.fence(peer, at + horizon, &outcome);
         }
     }
 
@@ -1017,46 +1052,35 @@ impl<T: Transport> Writer<T> {
                 self.report_send(&ready, expired.key.as_str(), outcome, None);
             }
         }
-        self.awaits_kv = self.awaited.values().any(|a| a.fenced.is_none());
+        self.awaits_kv = self.awaited.values().any(Awaited::expects_writes);
         if self.awaited.is_empty() {
             return;
         }
-        let mut late = Vec::new();
-        let mut fenced_out = Vec::new();
         let mut unacknowledged = Vec::new();
+        let mut due = Vec::new();
         for (request_id, awaited) in &mut self.awaited {
-            match (&awaited.fenced, awaited.cancelling.is_some()) {
-                (Some((until, _)), _) if *until <= now => fenced_out.push(request_id.clone()),
-                (Some(_), _) => {}
-                (None, false) if awaited.deadline <= now => late.push(request_id.clone()),
-                (None, true) if awaited.cancel_deadline.is_some_and(|d| d <= now) => {
-                    awaited.cancel_deadline = None;
-                    unacknowledged.extend(awaited.peer);
-                }
-                (None, _) => {}
+            let stops = awaited.fences_passed(now);
+            unacknowledged.extend(awaited.unacknowledged(now));
+            let late = !awaited.is_ending() && awaited.deadline <= now;
+            if !stops.is_empty() || late || awaited.is_over() {
+                due.push((request_id.clone(), stops, late));
             }
         }
-        for request_id in fenced_out {
-            if let Some((_, outcome)) =
-                self.awaited.get_mut(&request_id).and_then(|a| a.fenced.take())
-            {
-                self.end_receive(&request_id, outcome);
+        for (request_id, stops, late) in due {
+            self.stop_legs(&request_id, &stops);
+            if late {
+                let Some(awaited) = self.awaited.get(&request_id) else { continue };
+                let detail =
+                    format!("no KV for request {request_id} within {:?}", awaited.expectation.ttl);
+                // Free nothing until every P confirmed no write can land (or its horizon passed).
+                self.cancel_receive(&request_id, Outcome::failed(Reason::Expired, detail));
             }
+            self.settle(&request_id);
         }
         // P did not answer a CANCEL within its horizon: stop proving we are alive to it, so that
         // its lease runs out; the horizon then runs from the disconnect (see `peer_lost`).
         for peer in unacknowledged {
             self.side_channel.disconnect(peer);
-        }
-        for request_id in late {
-            let Some(awaited) = self.awaited.get(&request_id) else { continue };
-            let detail =
-                format!("no KV for request {request_id} within {:?}", awaited.expectation.ttl);
-            match awaited.peer {
-                None => self.end_receive(&request_id, Outcome::failed(Reason::Expired, detail)),
-                // Free nothing until P confirms no write can land (or its horizon passed).
-                Some(_) => self.send_cancel(&request_id, Outcome::failed(Reason::Expired, detail)),
-            }
         }
     }
 
@@ -1095,27 +1119,26 @@ impl<T: Transport> Writer<T> {
         let ids: Vec<String> = self.awaited.keys().cloned().collect();
         for request_id in ids {
             let Some(awaited) = self.awaited.get(&request_id) else { continue };
-            let Some(peer) = awaited.peer else {
-                self.end_receive(&request_id, Outcome::failed(Reason::WriterDied, reason.clone()));
-                continue;
-            };
-            let until = at + self.horizon(peer);
-            if let Some(awaited) = self.awaited.get_mut(&request_id) {
-                if awaited.fenced.is_none() {
-                    let outcome = awaited.cancelling.take().unwrap_or_else(|| {
-                        Outcome::failed(
-                            Reason::WriterDied,
-                            format!("{reason}; reported after P's write horizon"),
-                        )
-                    });
-                    awaited.fenced = Some((until, outcome));
-                }
+            let horizons: Vec<(PeerId, Instant)> = awaited
+                .legs
+                .iter()
+                .filter_map(|leg| leg.peer)
+                .map(|peer| (peer, at + self.horizon(peer)))
+                .collect();
+            let Some(awaited) = self.awaited.get_mut(&request_id) else { continue };
+            let outcome = Outcome::failed(
+                Reason::WriterDied,
+                format!("{reason}; reported after P's write horizon"),
+            );
+            // Unregistered legs are over; registered ones may be written until the horizon.
+            let _ = awaited.cancel(outcome.clone());
+            for (peer, until) in horizons {
+                awaited.fence(peer, until, &outcome);
             }
+            self.settle(&request_id);
         }
-        // Wait out the horizons (or a close), reporting each receive as its horizon passes.
-        while let Some(next) =
-            self.awaited.values().filter_map(|a| a.fenced.as_ref().map(|f| f.0)).min()
-        {
+        // Wait out the horizons (or a close), reporting each receive as its last horizon passes.
+        while let Some(next) = self.awaited.values().filter_map(Awaited::next_fence).min() {
             let wait = next.saturating_duration_since(Instant::now()).min(QUIET_POLL);
             match self.commands.recv_timeout(wait) {
                 Ok(Command::Stop) | Err(RecvTimeoutError::Disconnected) => break,
@@ -1138,18 +1161,13 @@ impl<T: Transport> Writer<T> {
                 Ok(_) | Err(RecvTimeoutError::Timeout) => {}
             }
             let now = Instant::now();
-            let due: Vec<String> = self
-                .awaited
-                .iter()
-                .filter(|(_, a)| a.fenced.as_ref().is_some_and(|(until, _)| *until <= now))
-                .map(|(id, _)| id.clone())
-                .collect();
-            for request_id in due {
-                if let Some((_, outcome)) =
-                    self.awaited.get_mut(&request_id).and_then(|a| a.fenced.take())
-                {
-                    self.end_receive(&request_id, outcome);
+            let ids: Vec<String> = self.awaited.keys().cloned().collect();
+            for request_id in ids {
+                if let Some(awaited) = self.awaited.get_mut(&request_id) {
+                    // No CANCEL goes out: the peers were disconnected above.
+                    let _ = awaited.fences_passed(now);
                 }
+                self.settle(&request_id);
             }
         }
         self.shut_down();

@@ -1,0 +1,293 @@
+//! P and D of different tensor parallel sizes, every rank an endpoint of its own over the
+//! loopback transport and a real TCP side channel: a D rank receives from each P rank that holds
+//! some of its heads, is done once each of them delivered, and fails once, naming the rank,
+//! when any of them fails (only after the others can no longer write).
+#![cfg(not(loom))]
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns: a failure is the test failing
+
+use std::time::{Duration, Instant};
+
+use kvpush_core::endpoint::{
+    Endpoint, EndpointConfig, Event, Expectation, Outcome, ReadyKv, Reason, Role,
+};
+use kvpush_core::layout::{KvLayout, Region, TokenOrder};
+use kvpush_core::loopback::LoopbackTransport;
+use kvpush_core::protocol::BlockGroup;
+use kvpush_core::transport::{MemoryRegion, MemorySpace, Transport};
+
+/// KV heads of the whole model.
+const MODEL_HEADS: u32 = 4;
+const HEAD_BYTES: u64 = 8;
+const BLOCK_TOKENS: u32 = 4;
+const BLOCKS: u32 = 16;
+const REGIONS: u64 = 2;
+
+/// One rank's KV memory in the HND layout: `REGIONS` regions of `BLOCKS` blocks, each block
+/// `[heads][BLOCK_TOKENS][HEAD_BYTES]`, holding the model's heads `[tp_rank * heads, ...)`.
+struct Rank {
+    memory: Vec<u8>,
+    tp_rank: u32,
+    tp_size: u32,
+}
+
+impl Rank {
+    fn new(tp_rank: u32, tp_size: u32, fill: u8) -> Self {
+        let heads = u64::from(MODEL_HEADS / tp_size);
+        let len = REGIONS * u64::from(BLOCKS) * heads * u64::from(BLOCK_TOKENS) * HEAD_BYTES;
+        Self { memory: vec![fill; len as usize], tp_rank, tp_size }
+    }
+
+    fn heads(&self) -> u32 {
+        MODEL_HEADS / self.tp_size
+    }
+
+    fn block_bytes(&self) -> u64 {
+        u64::from(self.heads()) * u64::from(BLOCK_TOKENS) * HEAD_BYTES
+    }
+
+    fn layout(&self) -> KvLayout {
+        let base = self.memory.as_ptr() as u64;
+        let region_bytes = u64::from(BLOCKS) * self.block_bytes();
+        KvLayout {
+            regions: (0..REGIONS)
+                .map(|r| Region {
+                    base: base + r * region_bytes,
+                    block_stride: self.block_bytes(),
+                    num_blocks: BLOCKS,
+                    group: 0,
+                })
+                .collect(),
+            block_tokens: BLOCK_TOKENS,
+            kernel_block_tokens: BLOCK_TOKENS,
+            heads: self.heads(),
+            head_bytes: HEAD_BYTES as u32,
+            token_order: TokenOrder::Hnd,
+            tp_rank: self.tp_rank,
+            tp_size: self.tp_size,
+        }
+    }
+
+    /// Where `token`'s bytes of the model's head `head` sit, in a request holding `blocks`.
+    fn offset(&self, region: u64, blocks: &[u32], head: u32, token: u64) -> usize {
+        let local = u64::from(head - self.tp_rank * self.heads());
+        let block = u64::from(blocks[(token / u64::from(BLOCK_TOKENS)) as usize]);
+        let in_block = token % u64::from(BLOCK_TOKENS);
+        let region_bytes = u64::from(BLOCKS) * self.block_bytes();
+        let at = region * region_bytes
+            + block * self.block_bytes()
+            + (local * u64::from(BLOCK_TOKENS) + in_block) * HEAD_BYTES;
+        at as usize
+    }
+
+    fn model_heads(&self) -> std::ops::Range<u32> {
+        self.tp_rank * self.heads()..(self.tp_rank + 1) * self.heads()
+    }
+
+    /// Writes the reference KV of `tokens` into `blocks`: each byte names its region, model
+    /// head, token and position, so a byte in the wrong place cannot look right.
+    fn compute(&mut self, blocks: &[u32], tokens: u64) {
+        for region in 0..REGIONS {
+            for head in self.model_heads() {
+                for token in 0..tokens {
+                    let at = self.offset(region, blocks, head, token);
+                    for b in 0..HEAD_BYTES {
+                        self.memory[at + b as usize] = reference(region, head, token, b);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every byte of `tokens` in `blocks`, for each of this rank's heads, is the reference.
+    fn check(&self, blocks: &[u32], tokens: u64) {
+        for region in 0..REGIONS {
+            for head in self.model_heads() {
+                for token in 0..tokens {
+                    let at = self.offset(region, blocks, head, token);
+                    let got = &self.memory[at..at + HEAD_BYTES as usize];
+                    let want: Vec<u8> =
+                        (0..HEAD_BYTES).map(|b| reference(region, head, token, b)).collect();
+                    assert_eq!(got, &want[..], "region {region}, head {head}, token {token}");
+                }
+            }
+        }
+    }
+
+    fn endpoint(&self, name: &str) -> Endpoint {
+        let mut transport = LoopbackTransport::new(name).unwrap().with_polls_until_done(2);
+        let region = MemoryRegion {
+            addr: self.memory.as_ptr() as u64,
+            len: self.memory.len() as u64,
+            space: MemorySpace::DRAM,
+        };
+        // SAFETY: each test drops its endpoints before the ranks' memory.
+        unsafe { transport.register_memory(&[region]).unwrap() };
+        let mut config = EndpointConfig::new(name, self.layout());
+        config.secret = Some(b"tensor-parallel-test-secret".to_vec());
+        config.heartbeat_interval = Duration::from_millis(100);
+        config.peer_timeout = Duration::from_millis(1_000);
+        Endpoint::start(config, transport).unwrap()
+    }
+}
+
+fn reference(region: u64, head: u32, token: u64, byte: u64) -> u8 {
+    (region * 97 + u64::from(head) * 31 + token * 7 + byte + 1) as u8
+}
+
+fn group(blocks: &[u32]) -> Vec<BlockGroup> {
+    vec![BlockGroup { first_token: 0, block_ids: blocks.to_vec() }]
+}
+
+fn ready(request_id: &str, blocks: &[u32], tokens: u64) -> ReadyKv {
+    ReadyKv {
+        request_id: request_id.into(),
+        transfer_id: Some("xfer-tp".into()),
+        groups: group(blocks),
+        num_tokens: tokens,
+        ttl: Duration::from_secs(30),
+    }
+}
+
+fn expectation(sources: &[&Endpoint], blocks: &[u32], tokens: u64) -> Expectation {
+    Expectation {
+        request_id: "d-request".into(),
+        transfer_id: Some("xfer-tp".into()),
+        sources: sources.iter().map(|p| p.address().to_string()).collect(),
+        groups: group(blocks),
+        num_tokens: tokens,
+        epoch: 1,
+        ttl: Duration::from_secs(30),
+    }
+}
+
+fn events(endpoint: &Endpoint, count: usize) -> Vec<Event> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut out = Vec::new();
+    while out.len() < count && Instant::now() < deadline {
+        out.extend(endpoint.wait(Duration::from_millis(50)));
+    }
+    out
+}
+
+/// No further event arrives within `quiet`.
+fn no_more_events(endpoint: &Endpoint, quiet: Duration) {
+    let extra = endpoint.wait(quiet);
+    assert!(extra.is_empty(), "unexpected events: {extra:?}");
+}
+
+/// P of `p_tp` ranks writes one request into D of `d_tp` ranks; each D rank expects the P ranks
+/// that hold its heads. Returns the bytes each D rank reported.
+fn transfer(p_tp: u32, d_tp: u32) -> Vec<u64> {
+    const TOKENS: u64 = 10;
+    let p_blocks = [3u32, 7, 1];
+    let d_blocks = [9u32, 2, 12];
+    let mut p_ranks: Vec<Rank> = (0..p_tp).map(|r| Rank::new(r, p_tp, 0xee)).collect();
+    for rank in &mut p_ranks {
+        rank.compute(&p_blocks, TOKENS);
+    }
+    let d_ranks: Vec<Rank> = (0..d_tp).map(|r| Rank::new(r, d_tp, 0)).collect();
+    let p: Vec<Endpoint> =
+        p_ranks.iter().map(|r| r.endpoint(&format!("p{}-of-{p_tp}", r.tp_rank))).collect();
+    let d: Vec<Endpoint> =
+        d_ranks.iter().map(|r| r.endpoint(&format!("d{}-of-{d_tp}", r.tp_rank))).collect();
+    let per_d = (p_tp / d_tp) as usize;
+    for (rank, endpoint) in d.iter().enumerate() {
+        let sources: Vec<&Endpoint> = p[rank * per_d..(rank + 1) * per_d].iter().collect();
+        endpoint.expect(expectation(&sources, &d_blocks, TOKENS)).unwrap();
+    }
+    for endpoint in &p {
+        endpoint.ready(ready("p-request", &p_blocks, TOKENS)).unwrap();
+    }
+    let mut bytes = Vec::new();
+    for endpoint in &d {
+        let received = events(endpoint, 1);
+        assert_eq!(received.len(), 1, "{received:?}");
+        assert_eq!((received[0].role, &received[0].outcome), (Role::Receive, &Outcome::Done));
+        bytes.push(received[0].bytes);
+    }
+    for endpoint in &p {
+        let sent = events(endpoint, 1);
+        assert_eq!(sent.len(), 1, "{sent:?}");
+        assert_eq!(sent[0].outcome, Outcome::Done, "{sent:?}");
+    }
+    for endpoint in &d {
+        no_more_events(endpoint, Duration::from_millis(100));
+    }
+    drop((p, d));
+    for rank in &d_ranks {
+        rank.check(&d_blocks, TOKENS);
+    }
+    bytes
+}
+
+#[test]
+fn p_tp2_writes_each_half_of_d_tp1s_heads() {
+    let bytes = transfer(2, 1);
+    assert_eq!(bytes, vec![REGIONS * 10 * u64::from(MODEL_HEADS) * HEAD_BYTES]);
+}
+
+#[test]
+fn p_tp4_writes_into_d_tp2_two_ranks_each() {
+    let bytes = transfer(4, 2);
+    assert_eq!(bytes, vec![REGIONS * 10 * 2 * HEAD_BYTES; 2]);
+}
+
+#[test]
+fn one_p_rank_failing_fails_d_once_naming_it_after_the_other_rank_stopped() {
+    let p_ranks: Vec<Rank> = (0..2).map(|r| Rank::new(r, 2, 0xee)).collect();
+    let d_rank = Rank::new(0, 1, 0);
+    let p: Vec<Endpoint> =
+        p_ranks.iter().map(|r| r.endpoint(&format!("fail-p{}", r.tp_rank))).collect();
+    let d = d_rank.endpoint("fail-d");
+    d.expect(expectation(&[&p[0], &p[1]], &[1, 2, 3], 10)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while (p[0].pending() == 0 || p[1].pending() == 0) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Rank 1's request is aborted before its prefill finished; rank 0 has not finished its
+    // either. D must cancel rank 0's registration and hear it confirmed before it reports.
+    p[1].abort("p-request", Some("xfer-tp"));
+    let received = events(&d, 1);
+    assert_eq!(received.len(), 1, "{received:?}");
+    let cause = received[0].outcome.cause().expect("the receive failed");
+    assert!(matches!(received[0].outcome, Outcome::Failed(_)), "{received:?}");
+    assert_eq!(cause.reason, Reason::Aborted, "{cause:?}");
+    assert!(cause.detail.contains("P rank 1 of 2"), "the failed rank is named: {cause:?}");
+    assert_eq!(p[0].pending(), 0, "D's cancel removed rank 0's registration before D reported");
+    // Rank 0 finishing later writes nothing: its registration is gone.
+    p[0].ready(ready("p-request", &[4, 5, 6], 10)).ok();
+    no_more_events(&d, Duration::from_millis(300));
+    drop((p, d));
+    assert!(d_rank.memory.iter().all(|&b| b == 0), "no byte landed in D's blocks");
+}
+
+#[test]
+fn an_expectation_must_name_each_p_rank_once() {
+    let p_rank = Rank::new(0, 1, 0);
+    let d_rank = Rank::new(0, 1, 0);
+    let p = p_rank.endpoint("twice-p");
+    let d = d_rank.endpoint("twice-d");
+    let error = d.expect(expectation(&[&p, &p], &[1], 4)).unwrap_err();
+    assert!(error.to_string().contains("named twice"), "{error}");
+    let error = d.expect(expectation(&[], &[1], 4)).unwrap_err();
+    assert!(error.to_string().contains("no P address"), "{error}");
+}
+
+#[test]
+fn an_expectation_naming_too_few_p_ranks_fails_before_anything_is_written() {
+    // A router that left out P's tp_size: D asks only P's rank 0, which holds half its heads.
+    let mut p_rank = Rank::new(0, 2, 0xee);
+    p_rank.compute(&[1, 2, 3], 10);
+    let d_rank = Rank::new(0, 1, 0);
+    let p = p_rank.endpoint("few-p0");
+    let d = d_rank.endpoint("few-d");
+    d.expect(expectation(&[&p], &[4, 5, 6], 10)).unwrap();
+    p.ready(ready("p-request", &[1, 2, 3], 10)).unwrap();
+    let received = events(&d, 1);
+    assert_eq!(received.len(), 1, "{received:?}");
+    let cause = received[0].outcome.cause().expect("the receive failed");
+    assert_eq!(cause.reason, Reason::Incompatible, "{cause:?}");
+    assert!(cause.detail.contains("come from 2 rank(s) of P (tp=2)"), "{cause:?}");
+    drop((p, d));
+    assert!(d_rank.memory.iter().all(|&b| b == 0), "no byte landed in D's blocks");
+}
