@@ -40,7 +40,25 @@ impl TransferKey {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The key of share `slot` of this transfer, when one P rank writes it into several D
+    /// ranks (D runs the larger tensor parallel size): each D rank registers, and is written,
+    /// under its own slot key.
+    pub fn slot(&self, slot: u32) -> Self {
+        Self(Arc::from(format!("{}{SLOT_SEPARATOR}{slot}", self.0)))
+    }
+
+    /// The transfer and slot of a [`slot`](Self::slot) key; `None` for a key without a slot.
+    pub fn split_slot(&self) -> Option<(Self, u32)> {
+        let (base, slot) = self.0.rsplit_once(SLOT_SEPARATOR)?;
+        let slot = slot.parse().ok().filter(|_| !base.is_empty())?;
+        Some((Self(Arc::from(base)), slot))
+    }
 }
+
+/// Between a transfer key and its slot: a control character, which no router's transfer id or
+/// vLLM request id contains.
+const SLOT_SEPARATOR: char = '\u{1f}';
 
 impl fmt::Debug for TransferKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -130,6 +148,18 @@ mod tests {
         assert_eq!(key.as_str(), "xfer-1");
         let key = TransferKey::for_request(Some(""), "cmpl-abc-0-12345678");
         assert_eq!(key.as_str(), "abc-0");
+    }
+
+    #[test]
+    fn slot_keys_are_distinct_and_name_their_transfer() {
+        let key = TransferKey::for_request(Some("xfer-1"), "r");
+        let (one, two) = (key.slot(1), key.slot(2));
+        assert_ne!(one, two);
+        assert_ne!(one, key);
+        assert_eq!(one.split_slot(), Some((key.clone(), 1)));
+        assert_eq!(key.split_slot(), None);
+        assert_eq!(TransferKey::from_canonical("\u{1f}3").split_slot(), None);
+        assert_eq!(TransferKey::from_canonical("a\u{1f}x").split_slot(), None);
     }
 
     #[test]

@@ -143,6 +143,24 @@ pub enum Cancelled<R, K> {
     Deferred,
 }
 
+/// What [`RendezvousTable::take_ready`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TakeReady<K> {
+    /// P's ready payload, waiting for a registration, and its deadline: the key is forgotten.
+    Taken {
+        /// The payload.
+        ready: K,
+        /// When it would have expired.
+        deadline: Instant,
+    },
+    /// Nothing is held for the key.
+    Absent,
+    /// The key ended; late halves are refused for this reason.
+    Fenced(FenceReason),
+    /// A registration is waiting, matched or being written: left as it is.
+    Busy,
+}
+
 /// How a write ended, as reported by the writer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -559,6 +577,29 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         };
         self.settle(&mut shard, taken.key, taken.kind, state, now);
         result
+    }
+
+    /// Takes P's ready payload for `key` out of the table when nothing else holds the key yet
+    /// (no registration came), so that the caller can place it under other keys: P's KV for a
+    /// transfer that one P rank writes into several D ranks goes under each D rank's slot key.
+    pub fn take_ready(&self, key: &TransferKey, now: Instant) -> TakeReady<K> {
+        let (hash, mut shard) = self.shard(key);
+        let Some(taken) = self.take(&mut shard, hash, key, now) else { return TakeReady::Absent };
+        match taken.state {
+            State::Ready { ready, deadline } => {
+                // Relaxed: see `settle`. The entry's heap item, if any, is now stale.
+                self.live.fetch_sub(1, Ordering::Relaxed);
+                TakeReady::Taken { ready, deadline }
+            }
+            state => {
+                let found = match &state {
+                    State::Fenced { reason, .. } => TakeReady::Fenced(*reason),
+                    _ => TakeReady::Busy,
+                };
+                self.settle(&mut shard, taken.key, taken.kind, state, now);
+                found
+            }
+        }
     }
 
     /// The writer is about to write the match for `key` at `epoch`.
@@ -1317,6 +1358,29 @@ mod tests {
         // Nor can a peer cancel P's ready half, which it never registered for.
         assert_eq!(table.cancel_owned(&key("b"), None, Some(8), c.at(8)), Cancelled::NotFound);
         assert_eq!(table.len(), 2);
+    }
+
+    #[test]
+    fn take_ready_moves_only_a_waiting_ready_half() {
+        let (table, c) = (table(), Clock::new());
+        assert_eq!(table.take_ready(&key("none"), c.at(0)), TakeReady::Absent);
+        waiting(table.ready(key("a"), vec![1], c.at(100), c.at(0)));
+        assert_eq!(
+            table.take_ready(&key("a"), c.at(1)),
+            TakeReady::Taken { ready: vec![1], deadline: c.at(100) }
+        );
+        assert_eq!((table.len(), table.fences()), (0, 0), "the key is forgotten, not fenced");
+        // Its deadline left with it: nothing expires, and the key is free for a new arrival.
+        assert!(table.expire(c.at(200)).is_empty());
+        waiting(table.register(key("a"), 1, "d", c.at(300), c.at(201)));
+        assert_eq!(table.take_ready(&key("a"), c.at(202)), TakeReady::Busy);
+        assert_eq!(table.len(), 1, "a registration stays where it is");
+        table.cancel(&key("b"), None, c.at(203));
+        assert_eq!(
+            table.take_ready(&key("b"), c.at(204)),
+            TakeReady::Fenced(FenceReason::Cancelled)
+        );
+        assert_drains(&table, &c);
     }
 
     #[test]

@@ -196,6 +196,7 @@ fn expectation(
         num_tokens: tokens,
         epoch: 1,
         ttl: Duration::from_secs(30),
+        share: None,
     }
 }
 

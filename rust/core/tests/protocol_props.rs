@@ -126,6 +126,7 @@ fn message() -> impl Strategy<Value = Message> {
                     groups,
                     num_tokens,
                     ttl_ms,
+                    fanout: 1,
                 })
             },
         );

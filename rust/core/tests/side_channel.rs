@@ -207,6 +207,7 @@ fn register(n: u64) -> Message {
         groups: vec![BlockGroup { first_token: 0, block_ids: vec![1, 2, 3] }],
         num_tokens: 48,
         ttl_ms: 30_000,
+        fanout: 1,
     })
 }
 

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use kvpush_core::endpoint::{
-    Endpoint, EndpointConfig, Event, Expectation, Outcome, ReadyKv, Reason, Role,
+    Endpoint, EndpointConfig, Event, Expectation, Outcome, ReadyKv, Reason, Role, Share,
 };
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::loopback::LoopbackTransport;
@@ -157,7 +157,29 @@ fn expectation(sources: &[&Endpoint], blocks: &[u32], tokens: u64) -> Expectatio
         num_tokens: tokens,
         epoch: 1,
         ttl: Duration::from_secs(30),
+        share: None,
     }
+}
+
+/// What D rank `rank` of `d_tp` expects from the P ranks `p`: every P rank holding some of its
+/// heads, or its share of the one P rank that holds them all.
+fn expectation_of_rank(
+    p: &[Endpoint],
+    rank: u32,
+    d_tp: u32,
+    blocks: &[u32],
+    tokens: u64,
+) -> Expectation {
+    let p_tp = p.len() as u32;
+    if p_tp >= d_tp {
+        let per_d = (p_tp / d_tp) as usize;
+        let sources: Vec<&Endpoint> = p[rank as usize * per_d..][..per_d].iter().collect();
+        return expectation(&sources, blocks, tokens);
+    }
+    let of = d_tp / p_tp;
+    let mut e = expectation(&[&p[(rank / of) as usize]], blocks, tokens);
+    e.share = Some(Share { slot: rank % of, of });
+    e
 }
 
 fn events(endpoint: &Endpoint, count: usize) -> Vec<Event> {
@@ -190,10 +212,8 @@ fn transfer(p_tp: u32, d_tp: u32) -> Vec<u64> {
         p_ranks.iter().map(|r| r.endpoint(&format!("p{}-of-{p_tp}", r.tp_rank))).collect();
     let d: Vec<Endpoint> =
         d_ranks.iter().map(|r| r.endpoint(&format!("d{}-of-{d_tp}", r.tp_rank))).collect();
-    let per_d = (p_tp / d_tp) as usize;
     for (rank, endpoint) in d.iter().enumerate() {
-        let sources: Vec<&Endpoint> = p[rank * per_d..(rank + 1) * per_d].iter().collect();
-        endpoint.expect(expectation(&sources, &d_blocks, TOKENS)).unwrap();
+        endpoint.expect(expectation_of_rank(&p, rank as u32, d_tp, &d_blocks, TOKENS)).unwrap();
     }
     for endpoint in &p {
         endpoint.ready(ready("p-request", &p_blocks, TOKENS)).unwrap();
@@ -230,6 +250,124 @@ fn p_tp2_writes_each_half_of_d_tp1s_heads() {
 fn p_tp4_writes_into_d_tp2_two_ranks_each() {
     let bytes = transfer(4, 2);
     assert_eq!(bytes, vec![REGIONS * 10 * 2 * HEAD_BYTES; 2]);
+}
+
+#[test]
+fn p_tp1_writes_each_of_d_tp2s_ranks_its_half() {
+    let bytes = transfer(1, 2);
+    assert_eq!(bytes, vec![REGIONS * 10 * 2 * HEAD_BYTES; 2]);
+}
+
+#[test]
+fn p_tp2_writes_into_d_tp4_two_ranks_each() {
+    let bytes = transfer(2, 4);
+    assert_eq!(bytes, vec![REGIONS * 10 * HEAD_BYTES; 4]);
+}
+
+/// P tp1 and D tp2, with the KV ready before either D rank registered, and D rank 1 late.
+#[test]
+fn a_p_rank_writes_each_d_rank_as_its_registration_arrives_and_reports_once() {
+    let mut p_rank = Rank::new(0, 1, 0xee);
+    p_rank.compute(&[1, 2, 3], 10);
+    let d_ranks: Vec<Rank> = (0..2).map(|r| Rank::new(r, 2, 0)).collect();
+    let p = vec![p_rank.endpoint("late-p")];
+    let d: Vec<Endpoint> =
+        d_ranks.iter().map(|r| r.endpoint(&format!("late-d{}", r.tp_rank))).collect();
+    p[0].ready(ready("p-request", &[1, 2, 3], 10)).unwrap();
+    d[0].expect(expectation_of_rank(&p, 0, 2, &[4, 5, 6], 10)).unwrap();
+    let first = events(&d[0], 1);
+    assert_eq!(first[0].outcome, Outcome::Done, "{first:?}");
+    no_more_events(&p[0], Duration::from_millis(200));
+    d[1].expect(expectation_of_rank(&p, 1, 2, &[7, 8, 9], 10)).unwrap();
+    let second = events(&d[1], 1);
+    assert_eq!(second[0].outcome, Outcome::Done, "{second:?}");
+    let sent = events(&p[0], 1);
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!((sent[0].outcome.clone(), sent[0].key.as_str()), (Outcome::Done, "xfer-tp"));
+    assert_eq!(sent[0].bytes, REGIONS * 10 * u64::from(MODEL_HEADS) * HEAD_BYTES);
+    assert_eq!(p[0].pending(), 0);
+    drop((p, d));
+    d_ranks[0].check(&[4, 5, 6], 10);
+    d_ranks[1].check(&[7, 8, 9], 10);
+}
+
+#[test]
+fn p_aborting_a_transfer_for_several_d_ranks_fails_each_of_them() {
+    let p_rank = Rank::new(0, 1, 0xee);
+    let d_ranks: Vec<Rank> = (0..2).map(|r| Rank::new(r, 2, 0)).collect();
+    let p = vec![p_rank.endpoint("abort-p")];
+    let d: Vec<Endpoint> =
+        d_ranks.iter().map(|r| r.endpoint(&format!("abort-d{}", r.tp_rank))).collect();
+    for (rank, endpoint) in d.iter().enumerate() {
+        endpoint.expect(expectation_of_rank(&p, rank as u32, 2, &[1, 2], 8)).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while p[0].pending() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        p[0].abort("p-request", Some("xfer-tp")),
+        kvpush_core::endpoint::AbortOutcome::Released
+    );
+    for endpoint in &d {
+        let received = events(endpoint, 1);
+        assert_eq!(received.len(), 1, "{received:?}");
+        assert_eq!(received[0].outcome.cause().map(|c| c.reason), Some(Reason::Aborted));
+    }
+    // The KV coming after all is refused, and nothing is written.
+    assert!(p[0].ready(ready("p-request", &[1, 2], 8)).is_err());
+    no_more_events(&p[0], Duration::from_millis(200));
+    drop((p, d));
+    assert!(d_ranks.iter().all(|r| r.memory.iter().all(|&b| b == 0)));
+}
+
+#[test]
+fn one_d_rank_cancelling_ends_only_its_slot() {
+    let mut p_rank = Rank::new(0, 1, 0xee);
+    p_rank.compute(&[1, 2, 3], 10);
+    let d_ranks: Vec<Rank> = (0..2).map(|r| Rank::new(r, 2, 0)).collect();
+    let p = vec![p_rank.endpoint("cancel-p")];
+    let d: Vec<Endpoint> =
+        d_ranks.iter().map(|r| r.endpoint(&format!("cancel-d{}", r.tp_rank))).collect();
+    for (rank, endpoint) in d.iter().enumerate() {
+        endpoint.expect(expectation_of_rank(&p, rank as u32, 2, &[4, 5, 6], 10)).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while p[0].pending() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    d[1].cancel("d-request").unwrap();
+    let cancelled = events(&d[1], 1);
+    assert!(matches!(cancelled[0].outcome, Outcome::Cancelled(_)), "{cancelled:?}");
+    p[0].ready(ready("p-request", &[1, 2, 3], 10)).unwrap();
+    let received = events(&d[0], 1);
+    assert_eq!(received[0].outcome, Outcome::Done, "{received:?}");
+    let sent = events(&p[0], 1);
+    assert_eq!(sent.len(), 1, "one send event for both slots: {sent:?}");
+    assert!(matches!(sent[0].outcome, Outcome::Cancelled(_)), "the worst slot: {sent:?}");
+    assert_eq!(sent[0].bytes, REGIONS * 10 * 2 * HEAD_BYTES, "rank 0's half only");
+    drop((p, d));
+    d_ranks[0].check(&[4, 5, 6], 10);
+    assert!(d_ranks[1].memory.iter().all(|&b| b == 0), "nothing landed in the cancelled rank");
+}
+
+#[test]
+fn a_d_rank_claiming_the_wrong_share_fails_before_anything_is_written() {
+    let mut p_rank = Rank::new(0, 1, 0xee);
+    p_rank.compute(&[1, 2, 3], 10);
+    let d_rank = Rank::new(1, 2, 0);
+    let p = vec![p_rank.endpoint("share-p")];
+    let d = d_rank.endpoint("share-d1");
+    // D rank 1 claims slot 0 (a connector that numbered its ranks wrongly).
+    let mut e = expectation_of_rank(&p, 1, 2, &[4, 5, 6], 10);
+    e.share = Some(Share { slot: 0, of: 2 });
+    d.expect(e).unwrap();
+    let received = events(&d, 1);
+    let cause = received[0].outcome.cause().expect("refused");
+    assert_eq!(cause.reason, Reason::Incompatible, "{cause:?}");
+    assert!(cause.detail.contains("is share 1 of 2"), "{cause:?}");
+    drop((p, d));
+    assert!(d_rank.memory.iter().all(|&b| b == 0));
 }
 
 #[test]

@@ -4,7 +4,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use kvpush_core::endpoint::{
-    self as core, AbortOutcome, EndpointConfig, Event, Expectation, Outcome, ReadyKv, Role,
+    self as core, AbortOutcome, EndpointConfig, Event, Expectation, Outcome, ReadyKv, Role, Share,
 };
 use kvpush_core::loopback::LoopbackTransport;
 use kvpush_core::protocol::BlockGroup;
@@ -385,9 +385,11 @@ impl Endpoint {
 
     /// D: register `blocks` with the P at `source` (a `host:port`, or a list of them: every P
     /// rank that holds some of this rank's heads) and await the KV: one DONE from each.
+    /// `share = (slot, of)`: P's one rank writes this transfer into `of` D ranks, this being
+    /// slot `slot` of them (D runs the larger tensor parallel size).
     #[pyo3(signature = (
         request_id, source, blocks, num_tokens, *, transfer_id = None, first_tokens = None,
-        epoch = 1, ttl = 30.0
+        epoch = 1, ttl = 30.0, share = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn expect(
@@ -401,6 +403,7 @@ impl Endpoint {
         first_tokens: Option<Vec<u64>>,
         epoch: u64,
         ttl: f64,
+        share: Option<(u32, u32)>,
     ) -> PyResult<()> {
         let expectation = Expectation {
             request_id,
@@ -410,6 +413,7 @@ impl Endpoint {
             num_tokens,
             epoch,
             ttl: seconds(ttl, "ttl")?,
+            share: share.map(|(slot, of)| Share { slot, of }),
         };
         native(py, || self.0.expect(expectation).map_err(Error::from))
     }

@@ -22,11 +22,12 @@ use crate::key::TransferKey;
 use crate::protocol::{
     Fail, FailReason, Hello, Message, ProtocolError, Register, PROTOCOL_VERSION,
 };
-use crate::rendezvous::{Arrival, Cancelled, FenceReason, Owner, RendezvousError};
+use crate::rendezvous::{Arrival, Cancelled, FenceReason, Owner, RendezvousError, TakeReady};
 use crate::side_channel::{ControlHandler, PeerId, PeerInfo};
 use crate::sync::lock;
 use crate::transport::{MemoryKind, MemorySpace};
 
+use super::fanout::{self, FanOut};
 use super::writer::{Command, Registration};
 use super::{Counters, Shared};
 
@@ -128,6 +129,12 @@ impl Control {
         let slot = Slot(Arc::clone(&entry.held));
         let now = Instant::now();
         let key = TransferKey::from_canonical(&register.transfer_key);
+        if register.fanout > 1 {
+            if let Err((reason, detail)) = self.join_fanout(&key, register.fanout, now) {
+                self.refuse(peer, &register, reason, detail);
+                return;
+            }
+        }
         let ttl = Duration::from_millis(register.ttl_ms).min(MAX_REGISTRATION_TTL);
         let epoch = register.epoch;
         // A refused registration is dropped by the table; keep what the reply needs.
@@ -159,6 +166,65 @@ impl Control {
                 self.refuse(peer, &reply_to, reason, error.to_string());
             }
         }
+    }
+
+    /// A D rank registers slot `key` of a transfer P writes into `slots` D ranks: the first
+    /// slot creates the transfer's group and, if P's KV is ready, places it under every slot
+    /// (see `fanout`).
+    fn join_fanout(
+        &self,
+        key: &TransferKey,
+        slots: u32,
+        now: Instant,
+    ) -> Result<(), (FailReason, String)> {
+        // The decoder checked that a registration with a fan-out names a slot.
+        let Some((base, _)) = key.split_slot() else {
+            return Err((FailReason::Refused, format!("transfer {key} names no slot")));
+        };
+        let mut groups = lock(&self.shared.fanouts);
+        if let Some(group) = groups.get(&base) {
+            if group.slots != slots {
+                let detail = format!(
+                    "transfer {base}: D ranks registered {} slots and this one {slots}; every D \
+                     rank of one engine must run the same tensor parallel size",
+                    group.slots
+                );
+                return Err((FailReason::Incompatible, detail));
+            }
+            return Ok(());
+        }
+        let mut group = FanOut::new(slots);
+        match self.shared.table.take_ready(&base, now) {
+            TakeReady::Absent => {}
+            TakeReady::Taken { ready, deadline } => {
+                for m in fanout::place(&self.shared, &base, &mut group, &ready, deadline, now) {
+                    self.shared.send(Command::Write(m));
+                }
+            }
+            TakeReady::Fenced(reason) => {
+                let fail = match reason {
+                    FenceReason::Expired => FailReason::Expired,
+                    FenceReason::Cancelled => FailReason::Aborted,
+                    FenceReason::Delivered | FenceReason::Failed => FailReason::Refused,
+                };
+                return Err((fail, format!("transfer {base} ended: {reason}")));
+            }
+            TakeReady::Busy => {
+                let detail = format!(
+                    "transfer {base} is already being written to a D rank that registered it \
+                     alone; every D rank of one engine must register the same way"
+                );
+                return Err((FailReason::Incompatible, detail));
+            }
+        }
+        if group.is_over() {
+            // Every slot was fenced already: the send ends now, reported by the writer.
+            groups.insert(base.clone(), group);
+            self.shared.send(Command::ReportFanOut(base));
+        } else {
+            groups.insert(base, group);
+        }
+        Ok(())
     }
 
     fn cancel(&self, peer: PeerId, cancel: crate::protocol::Cancel) {

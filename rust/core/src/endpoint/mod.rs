@@ -23,6 +23,7 @@
 
 mod control;
 mod events;
+mod fanout;
 mod receive;
 mod writer;
 
@@ -39,7 +40,9 @@ pub use events::{Cause, Event, Outcome, Reason, Role, Timeline};
 use crate::key::TransferKey;
 use crate::layout::KvLayout;
 use crate::protocol::{BlockGroup, FailReason, Hello, Secret, PROTOCOL_VERSION};
-use crate::rendezvous::{Arrival, Cancelled, Epoch, RendezvousError, RendezvousTable, TableConfig};
+use crate::rendezvous::{
+    Arrival, Cancelled, Epoch, FenceReason, RendezvousError, RendezvousTable, TableConfig,
+};
 use crate::side_channel::{SideChannel, SideChannelConfig};
 use crate::sync::lock;
 use crate::transport::{MemoryKind, MemorySpace, Transport, TransportError};
@@ -173,6 +176,18 @@ pub struct Expectation {
     pub epoch: Epoch,
     /// How long D waits for the KV before cancelling.
     pub ttl: Duration,
+    /// This D rank's share when its one P rank writes the transfer into several D ranks (D
+    /// runs the larger tensor parallel size); `None`: P writes it into this rank alone.
+    pub share: Option<Share>,
+}
+
+/// Which of the D ranks that one P rank writes a transfer into this one is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Share {
+    /// This rank's slot, below `of`.
+    pub slot: u32,
+    /// How many D ranks the P rank writes into.
+    pub of: u32,
 }
 
 /// What [`Endpoint::abort`] did.
@@ -276,6 +291,9 @@ pub struct Stats {
 pub(crate) struct Shared {
     pub(crate) counters: Counters,
     pub(crate) table: RendezvousTable<writer::Registration, Arc<writer::Ready>>,
+    /// P: transfers written into several D ranks (see `fanout`). Taken around table operations
+    /// on such keys only, never while a table shard is locked.
+    pub(crate) fanouts: Mutex<fanout::FanOuts>,
     /// The writer's inbox. `Sender` is `Sync`: every thread sends without a lock.
     pub(crate) inbox: Sender<Command>,
     pub(crate) origin: Instant,
@@ -360,6 +378,7 @@ impl Endpoint {
         let (event_sink, events) = mpsc::channel();
         let shared = Arc::new(Shared {
             table: RendezvousTable::new(config.table.clone()),
+            fanouts: Mutex::new(fanout::FanOuts::new()),
             inbox,
             origin: Instant::now(),
             counters: Counters::default(),
@@ -433,13 +452,34 @@ impl Endpoint {
         let now = Instant::now();
         let deadline = now + ready.ttl;
         let ready = Arc::new(writer::Ready { kv: ready, at: now });
-        match self.shared.table.ready(key, ready, deadline, now)? {
-            Arrival::Matched(m) => {
-                if !self.shared.send(Command::Write(m)) {
-                    return Err(EndpointError::Closed);
+        let matches = {
+            // Under the groups' lock: a D rank's first slot registration may be creating this
+            // transfer's group right now (see `fanout`).
+            let mut groups = lock(&self.shared.fanouts);
+            match groups.get_mut(&key) {
+                Some(group) if group.is_placed() => {
+                    return Err(RendezvousError::DuplicateReady { key }.into());
                 }
+                Some(group) => {
+                    let matches = fanout::place(&self.shared, &key, group, &ready, deadline, now);
+                    if group.is_over() {
+                        // Every D rank cancelled before the KV was ready: nothing is written.
+                        groups.remove(&key);
+                        let reason = FenceReason::Cancelled;
+                        return Err(RendezvousError::Fenced { key, reason }.into());
+                    }
+                    matches
+                }
+                None => match self.shared.table.ready(key, ready, deadline, now)? {
+                    Arrival::Matched(m) => vec![m],
+                    Arrival::Waiting { .. } => Vec::new(),
+                },
             }
-            Arrival::Waiting { .. } => {}
+        };
+        for m in matches {
+            if !self.shared.send(Command::Write(m)) {
+                return Err(EndpointError::Closed);
+            }
         }
         Ok(())
     }
@@ -448,7 +488,20 @@ impl Endpoint {
     /// registered; see [`AbortOutcome`] for what to do with the blocks.
     pub fn abort(&self, request_id: &str, transfer_id: Option<&str>) -> AbortOutcome {
         let key = TransferKey::for_request(transfer_id, request_id);
-        match self.shared.table.cancel(&key, None, Instant::now()) {
+        let now = Instant::now();
+        {
+            let mut groups = lock(&self.shared.fanouts);
+            if let Some(group) = groups.get_mut(&key) {
+                let outcome = self.abort_slots(&key, group, request_id, now);
+                if outcome != AbortOutcome::InFlight {
+                    groups.remove(&key);
+                }
+                // Fenced, so that a D rank's late slot registration starts no new group.
+                let _ = self.shared.table.cancel(&key, None, now);
+                return outcome;
+            }
+        }
+        match self.shared.table.cancel(&key, None, now) {
             Cancelled::NotFound => AbortOutcome::Unknown,
             Cancelled::Deferred => AbortOutcome::InFlight,
             Cancelled::Removed { registration, .. } => {
@@ -461,6 +514,43 @@ impl Endpoint {
                 }
                 AbortOutcome::Released
             }
+        }
+    }
+
+    /// [`abort`](Self::abort) of a transfer written into several D ranks: every slot is
+    /// cancelled (and its D rank told); a slot being written is left to finish, and the send's
+    /// event then comes after the last of them.
+    fn abort_slots(
+        &self,
+        key: &TransferKey,
+        group: &mut fanout::FanOut,
+        request_id: &str,
+        now: Instant,
+    ) -> AbortOutcome {
+        let mut in_flight = false;
+        for slot in 0..group.slots {
+            match self.shared.table.cancel(&key.slot(slot), None, now) {
+                Cancelled::NotFound => {}
+                Cancelled::Deferred => in_flight = true,
+                Cancelled::Removed { registration, ready } => {
+                    if let Some(registration) = registration {
+                        let fail = registration.fail(
+                            FailReason::Aborted,
+                            format!("P aborted request {request_id}; recompute it locally"),
+                        );
+                        self.shared.send(Command::Fail { peer: registration.peer, fail });
+                    }
+                    if ready.is_some() {
+                        let detail = format!("P aborted request {request_id}");
+                        group.conclude(Outcome::cancelled(Reason::Aborted, detail), 0, 0);
+                    }
+                }
+            }
+        }
+        if in_flight {
+            AbortOutcome::InFlight
+        } else {
+            AbortOutcome::Released
         }
     }
 
@@ -577,6 +667,21 @@ fn check_sources(expectation: &Expectation) -> Result<(), EndpointError> {
         return Err(EndpointError::Invalid(format!(
             "request {request_id}: no P address to receive from"
         )));
+    }
+    if let Some(Share { slot, of }) = expectation.share {
+        if of == 0 || of > crate::protocol::MAX_FANOUT || slot >= of {
+            return Err(EndpointError::Invalid(format!(
+                "request {request_id}: share {slot} of {of} is not a slot of 1 to {} D ranks",
+                crate::protocol::MAX_FANOUT
+            )));
+        }
+        if of > 1 && expectation.sources.len() > 1 {
+            return Err(EndpointError::Invalid(format!(
+                "request {request_id}: a share of a P rank's transfer comes from that one rank, \
+                 not from {}",
+                expectation.sources.len()
+            )));
+        }
     }
     let mut seen = std::collections::HashSet::new();
     if let Some(twice) = expectation.sources.iter().find(|s| !seen.insert(s.as_str())) {

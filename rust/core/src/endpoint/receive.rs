@@ -266,6 +266,7 @@ mod tests {
             num_tokens: 1,
             epoch: 1,
             ttl: Duration::from_secs(1),
+            share: None,
         };
         Awaited::new(expectation, TransferKey::from_canonical("r"), Instant::now())
     }

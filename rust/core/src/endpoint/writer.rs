@@ -40,12 +40,13 @@ use crate::protocol::{
 };
 use crate::rendezvous::{Match, Outcome as TableOutcome, RendezvousError};
 use crate::side_channel::{PeerId, PeerInfo, SideChannel};
+use crate::sync::lock;
 use crate::transport::{MemorySpace, Notification, Transport, WriteId, WriteState};
 
 use super::control::Slot;
 use super::events::{Event, Outcome, Reason, Role, Timeline};
 use super::receive::{Awaited, LegState, Stop};
-use super::{Counters, EndpointConfig, Expectation, ReadyKv, Shared, HORIZON_MARGIN};
+use super::{Counters, EndpointConfig, Expectation, ReadyKv, Share, Shared, HORIZON_MARGIN};
 
 /// Poll period while writes are in flight or DONEs awaited.
 const BUSY_POLL: Duration = Duration::from_micros(200);
@@ -121,6 +122,8 @@ pub(crate) enum Command {
     PeerLost { peer: PeerId, reason: String, at: Instant },
     /// A control message for the writer (FAIL, CANCEL_ACK, ERROR on D).
     FromPeer(PeerId, Message),
+    /// P: every slot of this transfer's group ended (see `fanout`): report its send.
+    ReportFanOut(TransferKey),
     /// Close: finish or abandon what is in flight, fail what is pending, exit.
     Stop,
 }
@@ -336,6 +339,7 @@ impl<T: Transport> Writer<T> {
             Command::PeerJoined(info) => self.peer_joined(info),
             Command::PeerLost { peer, reason, at } => self.peer_lost(peer, &reason, at),
             Command::FromPeer(peer, message) => self.peer_message(peer, message),
+            Command::ReportFanOut(base) => self.report_fanout(base),
             Command::Stop => return true,
         }
         false
@@ -431,14 +435,44 @@ impl<T: Transport> Writer<T> {
             bytes = w.bytes;
             runs = w.runs;
         }
+        let mut key = TransferKey::from_canonical(key);
+        let mut outcome = outcome;
+        if let Some((base, _)) = key.split_slot() {
+            // One slot of a transfer written into several D ranks: the send ends with its last.
+            let mut groups = lock(&self.shared.fanouts);
+            if let Some(group) = groups.get_mut(&base) {
+                if !group.conclude(outcome, bytes, runs) {
+                    return;
+                }
+                (outcome, bytes, runs) = group.result();
+                groups.remove(&base);
+                key = base;
+            }
+        }
         self.emit(Event {
             role: Role::Send,
             request_id: ready.kv.request_id.clone(),
-            key: TransferKey::from_canonical(key),
+            key,
             outcome,
             bytes,
             runs,
             timeline,
+        });
+    }
+
+    /// Reports the send of a transfer whose every slot ended before any was written.
+    fn report_fanout(&self, base: TransferKey) {
+        let Some(group) = lock(&self.shared.fanouts).remove(&base) else { return };
+        let Some(ready) = group.ready() else { return };
+        let (outcome, bytes, runs) = group.result();
+        self.emit(Event {
+            role: Role::Send,
+            request_id: ready.kv.request_id.clone(),
+            key: base,
+            outcome,
+            bytes,
+            runs,
+            timeline: Timeline { ready: Some(self.seconds(ready.at)), ..Timeline::default() },
         });
     }
 
@@ -689,8 +723,12 @@ impl<T: Transport> Writer<T> {
     // ---- D: receiving ---------------------------------------------------------------------
 
     fn expect(&mut self, expectation: Expectation, at: Instant) {
-        let key =
+        let mut key =
             TransferKey::for_request(expectation.transfer_id.as_deref(), &expectation.request_id);
+        if let Some(share) = expectation.share.filter(|share| share.of > 1) {
+            // P writes this transfer into several D ranks, each under its own slot.
+            key = key.slot(share.slot);
+        }
         let request_id = expectation.request_id.clone();
         let sources = expectation.sources.clone();
         // A re-registration (higher epoch) replaces the old wait; P supersedes the old one.
@@ -813,6 +851,7 @@ impl<T: Transport> Writer<T> {
             groups: e.groups.clone(),
             num_tokens: e.num_tokens,
             ttl_ms,
+            fanout: e.share.map_or(1, |share| share.of),
         };
         if let Err(error) = self.side_channel.send(peer, &Message::Register(register)) {
             // The frame did not go out whole, so P refuses it: nothing can be written.
@@ -835,7 +874,23 @@ impl<T: Transport> Writer<T> {
                 p.heads, p.tp_size
             ));
         }
-        let per_rank = (p.heads.end - p.heads.start).max(1);
+        let (theirs, ours) = (p.heads.end - p.heads.start, mine.end - mine.start);
+        if theirs > ours {
+            // One P rank holds the heads of several D ranks: this one must be its share.
+            let share = awaited.expectation.share.unwrap_or(Share { slot: 0, of: 1 });
+            let expected = Share {
+                slot: u32::try_from((mine.start - p.heads.start) / ours).unwrap_or(u32::MAX),
+                of: u32::try_from(theirs / ours).unwrap_or(u32::MAX),
+            };
+            return (share != expected).then(|| {
+                format!(
+                    "{label} holds KV heads {:?}, the heads of {} D ranks; this rank (heads \
+                     {mine:?}) is share {} of {}, but the request says {} of {}",
+                    p.heads, expected.of, expected.slot, expected.of, share.slot, share.of
+                )
+            });
+        }
+        let per_rank = theirs.max(1);
         let needed = (mine.end - 1) / per_rank - mine.start / per_rank + 1;
         let named = awaited.legs.len() as u64;
         (needed != named).then(|| {

@@ -433,6 +433,7 @@ mod tests {
             groups: vec![BlockGroup { first_token: 32, block_ids }],
             num_tokens: 100,
             ttl_ms: 30_000,
+            fanout: 1,
         }
     }
 

@@ -113,6 +113,42 @@ pub struct Register {
     /// How long P may hold the registration, in ms from receipt; relative so that no clock
     /// synchronisation is needed. P answers [`FailReason::Expired`] when it runs out.
     pub ttl_ms: u64,
+    /// How many D ranks this P rank writes the transfer into (D runs a larger tensor parallel
+    /// size): each registers under its own slot of the key (`transfer_key` is then a
+    /// [`crate::key::TransferKey::slot`] key), and P writes each of them once its KV is ready.
+    /// 1 (the default, and what older peers send): one D rank.
+    #[serde(default = "one")]
+    pub fanout: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Most D ranks one P rank may write a transfer into (the ratio of tensor parallel sizes).
+pub const MAX_FANOUT: u32 = 64;
+
+/// A registration's fan-out is 1 to [`MAX_FANOUT`], and above 1 its key names a slot below it.
+fn check_fanout(m: &Register) -> Result<(), ProtocolError> {
+    if m.fanout == 0 || m.fanout > MAX_FANOUT {
+        return Err(invalid(
+            "register.fanout",
+            format!("{} D ranks per P rank, expected 1 to {MAX_FANOUT}", m.fanout),
+        ));
+    }
+    if m.fanout > 1 {
+        let key = crate::key::TransferKey::from_canonical(&m.transfer_key);
+        match key.split_slot() {
+            Some((_, slot)) if slot < m.fanout => {}
+            _ => {
+                return Err(invalid(
+                    "register.transfer_key",
+                    format!("names no slot below the registration's fan-out of {}", m.fanout),
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// P → D as the NIXL notification of the WRITE itself: "this rank's share of the KV is in your
@@ -432,6 +468,7 @@ impl Message {
                 text("register.engine_id", &m.engine_id)?;
                 text("register.address", &m.address)?;
                 check_rank("register.tp_rank", m.tp_rank, m.tp_size)?;
+                check_fanout(m)?;
                 // Count groups as well as ids so that a flood of empty groups is bounded too.
                 let total = m
                     .groups

@@ -43,7 +43,7 @@ pub use codec::{frame_len, unix_millis, Decoder, Encoder, Envelope, PREFIX_LEN};
 pub use error::{ProtocolError, MAX_REPLY_DETAIL_BYTES};
 pub use messages::{
     Attach, BlockGroup, Cancel, CancelAck, Done, ErrorReply, Fail, FailReason, Heartbeat, Hello,
-    Message, Register,
+    Message, Register, MAX_FANOUT,
 };
 pub use replay::REPLAY_WINDOW;
 
