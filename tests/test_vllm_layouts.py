@@ -361,6 +361,28 @@ def test_cpu_attention_blocks_move_whole_exactly_as_before() -> None:
 
 
 @needs_vllm
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2)])
+def test_cpu_attention_whole_blocks_are_sliced_by_head_between_tp_sizes(
+    p_tp: int, d_tp: int
+) -> None:
+    # Each head's [N][C] slab is whole (K transposed inside it), so a D rank gets, from every P
+    # rank holding some of its heads, those heads' slabs of whole blocks.
+    for d_rank in range(d_tp):
+        d = allocate("CPU_ATTN", "LBHNC", 32, tp=(d_rank, d_tp), seed=10 + d_rank)
+        assert d.cache.whole_blocks
+        assert d.cache.slices_heads
+        for p_rank in range(p_tp):
+            p = allocate("CPU_ATTN", "LBHNC", 32, tp=(p_rank, p_tp), seed=20 + p_rank)
+            assert p.cache.agreement() == d.cache.agreement(), "only the block size must match"
+            heads_of = {
+                "p": range(p_rank * p.model.kv_heads, (p_rank + 1) * p.model.kv_heads),
+                "d": range(d_rank * d.model.kv_heads, (d_rank + 1) * d.model.kv_heads),
+            }
+            if set(heads_of["p"]) & set(heads_of["d"]):
+                transfer_and_check(p, d)
+
+
+@needs_vllm
 def test_cpu_attention_of_different_block_sizes_cannot_agree() -> None:
     p = allocate("CPU_ATTN", "LBHNC", 32)
     d = allocate("CPU_ATTN", "LBHNC", 64)
@@ -524,3 +546,147 @@ def test_model_from_vllm_reads_the_resolved_layout_and_backends() -> None:
         backends=("FLASH_ATTN",),
         use_mla=False,
     )
+
+
+# ---- which P ranks a D rank receives from ----------------------------------------------------
+
+
+def _rank_cache(tp: tuple[int, int], *, mla: bool = False, hnd: bool = True) -> tuple[Model, Any]:
+    """A D rank of a 4-head model (FlashAttention; HND or NHD blocks), or an MLA rank."""
+    heads = 1 if mla else TOTAL_HEADS // tp[1]
+    layout = "LBHNC" if hnd else "LBNHC"
+    model = Model(
+        heads,
+        HEAD,
+        16,
+        tp_rank=tp[0],
+        tp_size=tp[1],
+        kv_cache_layout=layout,
+        backends=("TRITON_MLA" if mla else "FLASH_ATTN",),
+        use_mla=mla,
+        total_kv_heads=1 if mla else TOTAL_HEADS,
+    )
+    c = HEAD
+    stride = (heads * 16 * c, 16 * c, c, 1) if hnd else (heads * 16 * c, c, heads * c, 1)
+    return model, layout_from_caches([vllm_free_view((8, heads, 16, c), stride)], model)
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_rank", "d_tp", "ranks", "share"),
+    [
+        (2, 0, 2, (0,), None),
+        (2, 0, 1, (0, 1), None),
+        (4, 1, 2, (2, 3), None),
+        (1, 1, 2, (0,), (1, 2)),
+        (2, 3, 4, (1,), (1, 2)),
+        (2, 2, 4, (1,), (0, 2)),
+    ],
+)
+def test_a_d_rank_receives_from_the_p_ranks_holding_its_heads(
+    p_tp: int, d_rank: int, d_tp: int, ranks: tuple[int, ...], share: tuple[int, int] | None
+) -> None:
+    from kvpush.vllm._layout import Sources, sources_of
+
+    model, cache = _rank_cache((d_rank, d_tp))
+    assert sources_of(model, cache, p_tp) == Sources(ranks, share)
+
+
+def test_mla_ranks_receive_from_one_p_rank_each() -> None:
+    from kvpush.vllm._layout import Sources, sources_of
+
+    assert sources_of(*_rank_cache((1, 2), mla=True), 4) == Sources((1,))
+    assert sources_of(*_rank_cache((3, 4), mla=True), 2) == Sources((1,), (1, 2))
+    with pytest.raises(LayoutError, match="multiple of P's"):
+        sources_of(*_rank_cache((0, 3), mla=True), 2)
+
+
+def test_tp_sizes_that_cannot_exchange_kv_are_refused_with_the_reason() -> None:
+    from kvpush.vllm._layout import sources_of
+
+    with pytest.raises(LayoutError, match="cannot be split between ranks"):
+        sources_of(*_rank_cache((0, 1), hnd=False), 2)
+    model, cache = _rank_cache((0, 2))
+    replicated = Model(**{**model.__dict__, "total_kv_heads": 2})
+    with pytest.raises(LayoutError, match="replicates heads"):
+        sources_of(replicated, cache, 1)
+    with pytest.raises(LayoutError, match="replicates heads"):
+        sources_of(model, cache, 8)
+
+
+@needs_vllm
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_workers_of_different_tp_sizes_move_cpu_attention_caches(p_tp: int, d_tp: int) -> None:
+    """The connector's workers, each rank its own endpoint (loopback transport): every D rank
+    receives its heads from the P ranks holding them, and reports the request done once."""
+    from kvpush.servers import free_port
+    from kvpush.vllm._scheduler import PushScheduler
+    from kvpush.vllm._worker import PushWorker, WorkerConfig
+
+    p_base = free_port()
+    p = [allocate("CPU_ATTN", "LBHNC", 32, tp=(r, p_tp), seed=1 + r) for r in range(p_tp)]
+    d = [allocate("CPU_ATTN", "LBHNC", 32, tp=(r, d_tp), seed=9 + r) for r in range(d_tp)]
+    r = requests(p[0], d[0])[0]
+    expected = [d_rank.raw.clone() for d_rank in d]
+    for i, d_rank in enumerate(d):
+        for p_rank in p:
+            # Each P rank's heads that D rank i holds (expected_cache copies the shared ones).
+            d_rank.raw, saved = expected[i], d_rank.raw
+            expected[i] = expected_cache(p_rank, d_rank, [r])
+            d_rank.raw = saved
+
+    def worker(engine: str, w: Worker, base: int) -> PushWorker:
+        config = WorkerConfig(
+            engine_id=engine,
+            side_channel_host="127.0.0.1",
+            side_channel_port=base,
+            secret=b"layouts-test-secret-0123",
+            insecure=False,
+            ttl=30.0,
+            receive_timeout=30.0,
+            transport="loopback",
+            model_fingerprint="tiny",
+        )
+        pw = PushWorker(config, w.model)
+        pw.register([TensorView.of(v) for v in w.views])
+        return pw
+
+    pws = [worker("prefill", w, p_base) for w in p]
+    dws = [worker("decode", w, free_port()) for w in d]
+    try:
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "prefill",
+            "remote_host": "127.0.0.1",
+            "remote_port": p_base,
+            "tp_size": p_tp,
+            "transfer_id": "xfer-tp",
+        }
+        d_sched, p_sched = PushScheduler(), PushScheduler()
+        d_sched.allocated("d-req", params, [r.d_blocks], 0, r.num_tokens, r.num_tokens)
+        d_meta = d_sched.take_metadata()
+        p_params = {"do_remote_decode": True, "transfer_id": "xfer-tp"}
+        p_sched.finished("p-req", p_params, True, [r.p_blocks], r.num_tokens)
+        p_meta = p_sched.take_metadata()
+        # Every rank of an engine gets the same scheduler output.
+        for dw in dws:
+            dw.apply(d_meta)
+        for pw in pws:
+            pw.apply(p_meta)
+        received = [set[str]() for _ in dws]
+        sent = [set[str]() for _ in pws]
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and not (all(received) and all(sent)):
+            time.sleep(0.01)
+            for i, pw in enumerate(pws):
+                sent[i] |= pw.take_finished()[0]
+            for i, dw in enumerate(dws):
+                done, failed = dw.take_finished()[1:]
+                assert not failed, f"D rank {i}: receive failed: {failed}"
+                received[i] |= done
+        assert received == [{"d-req"}] * d_tp
+        assert sent == [{"p-req"}] * p_tp, "each P rank frees its blocks once"
+        for i, d_rank in enumerate(d):
+            assert_same_bytes(d_rank.raw, expected[i])
+    finally:
+        for w in pws + dws:
+            w.close()

@@ -26,6 +26,8 @@ and refuses, naming the layout, a tensor that does not follow it. Then:
   listed, or head slots that are not KV heads (FlashInfer's NVFP4 keeps K and V as separate
   slots), is treated the same way. Such blocks move whole, between P and D of the same block
   size (``whole_blocks``); each block unit the permutation keeps contiguous is one region.
+  CPU attention's heads are still whole slabs side by side (``[H][N][C]``, K transposed only
+  inside a head's slab), so its whole blocks are sliced by head between tensor parallel sizes.
 
 **Older vLLM** gave no layout; :class:`Model` without one falls back to the shapes it used (the
 CPU shape above, FlashAttention's ``[2, B, N, H, D]``, FlashInfer's ``[B, 2, N, H, D]``).
@@ -129,6 +131,9 @@ class Model:
     #: This worker's pipeline-parallel stage and the number of stages.
     pp_rank: int = 0
     pp_size: int = 1
+    #: The model's KV heads over all ranks (``get_total_num_kv_heads``); None: ``kv_heads`` *
+    #: ``tp_size``. Fewer than that means vLLM replicates heads across ranks.
+    total_kv_heads: int | None = None
 
     @property
     def worker_index(self) -> int:
@@ -162,7 +167,68 @@ class Model:
             use_mla=bool(model.use_mla),
             pp_rank=pp_rank,
             pp_size=int(getattr(parallel, "pipeline_parallel_size", 1)),
+            total_kv_heads=_total_kv_heads(model),
         )
+
+
+def _total_kv_heads(model_config: object) -> int | None:
+    total = getattr(model_config, "get_total_num_kv_heads", None)
+    return int(total()) if callable(total) else None
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The P ranks a D rank receives a request's KV from (by tensor parallel rank)."""
+
+    ranks: tuple[int, ...]
+    #: ``(slot, of)`` when the one P rank writes the request into ``of`` D ranks (D runs the
+    #: larger tensor parallel size), this rank being slot ``slot`` of them.
+    share: tuple[int, int] | None = None
+
+
+def sources_of(model: Model, cache: CacheLayout, p_tp: int) -> Sources:
+    """Which of P's ``p_tp`` ranks hold this D rank's KV heads.
+
+    Equal sizes pair rank with rank. P larger: every P rank holding some of D's heads writes
+    them (one DONE each). D larger: the one P rank holding D's heads writes into each of its D
+    ranks, which then names its share. MLA's latent is on every rank: one P rank per D rank.
+    Raises :class:`LayoutError` when the two sizes cannot exchange KV.
+    """
+    d_rank, d_tp = model.tp_rank, model.tp_size
+    if p_tp < 1:
+        raise LayoutError(f"P's tensor parallel size {p_tp} must be at least 1")
+    if p_tp == d_tp:
+        return Sources((d_rank,))
+    if model.use_mla:
+        if p_tp > d_tp:
+            return Sources((d_rank,))
+        if d_tp % p_tp:
+            raise LayoutError(
+                f"P runs tensor parallel size {p_tp} and D {d_tp}: with MLA, D's size must be a "
+                "multiple of P's"
+            )
+        return Sources((d_rank % p_tp,), (d_rank // p_tp, d_tp // p_tp))
+    if not cache.slices_heads:
+        raise LayoutError(
+            f"P runs tensor parallel size {p_tp} and D {d_tp}, but this KV cache layout does "
+            "not keep a block's heads apart, so they cannot be split between ranks; run P and "
+            "D with the same --tensor-parallel-size (or an HND layout: VLLM_KV_CACHE_LAYOUT="
+            "LBHNC)"
+        )
+    total = model.total_kv_heads or model.kv_heads * d_tp
+    if total != model.kv_heads * d_tp or total % p_tp:
+        raise LayoutError(
+            f"P runs tensor parallel size {p_tp} and D {d_tp} over {total} KV heads: one of "
+            "them replicates heads across ranks, which kvpush pairs only at equal sizes"
+        )
+    mine = range(d_rank * model.kv_heads, (d_rank + 1) * model.kv_heads)
+    per_p = total // p_tp
+    if p_tp > d_tp:
+        return Sources(tuple(range(mine.start // per_p, (mine.stop - 1) // per_p + 1)))
+    p_rank = mine.start // per_p
+    return Sources(
+        (p_rank,), ((mine.start - p_rank * per_p) // model.kv_heads, per_p // model.kv_heads)
+    )
 
 
 @dataclass(frozen=True)
@@ -254,7 +320,18 @@ def _from_kv_cache_layout(views: Sequence[TensorView], model: Model, name: str) 
             )
     whole_blocks = opaque_because is not None
     tp_rank, tp_size = (0, 1) if model.use_mla else (model.tp_rank, model.tp_size)
-    if whole_blocks:
+    # CPU attention scrambles tokens inside a head's [N][C] slab but keeps each KV head's slab
+    # whole and apart: whole blocks still split by head (HND rows of one C cell).
+    head_slabs = (
+        whole_blocks
+        and "CPU_ATTN" in model.backends
+        and inner == (_H, _N, _C)
+        and heads == expected_heads
+        and not model.use_mla
+    )
+    if head_slabs:
+        layout_heads, head_bytes, token_order = heads, cell_bytes, "HND"
+    elif whole_blocks:
         # A block unit as `kernel_tokens` equal rows: exact for whole blocks, which is all an
         # opaque block may be copied as.
         layout_heads = 1
@@ -277,7 +354,7 @@ def _from_kv_cache_layout(views: Sequence[TensorView], model: Model, name: str) 
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
-    slices_heads = model.use_mla or (not whole_blocks and inner == (_H, _N, _C))
+    slices_heads = model.use_mla or head_slabs or (not whole_blocks and inner == (_H, _N, _C))
     return CacheLayout(
         layout,
         whole_blocks=whole_blocks,
@@ -364,9 +441,9 @@ def _from_shapes(views: Sequence[TensorView], model: Model) -> CacheLayout:
                 base = v.data_ptr + half * v.stride[1] * e
                 regions.append(kvpush.Region(base, v.stride[0] * e, v.shape[0]))
     if kind == "cpu":
-        # A block as `block_size` equal rows holding every head's K and V: exact for whole
-        # blocks, which is all an opaque block may be copied as.
-        heads, head_bytes, order = 1, model.kv_heads * 2 * model.head_size * e, "NHD"
+        # Each head's [block_size][2D] slab is whole and apart, its tokens scrambled: whole
+        # blocks, split by head (as the layout-aware reader does).
+        heads, head_bytes, order = model.kv_heads, 2 * model.head_size * e, "HND"
     else:
         heads, head_bytes = model.kv_heads, model.head_size * e
         order = "HND" if kind == "flash_hnd" else "NHD"

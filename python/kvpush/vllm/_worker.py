@@ -17,7 +17,7 @@ from typing import IO
 import kvpush
 from kvpush.exceptions import KvPushError, LayoutError
 from kvpush.vllm import _stats
-from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches
+from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches, sources_of
 from kvpush.vllm._scheduler import PushMetadata, RecvRequest
 
 logger = logging.getLogger("kvpush.vllm")
@@ -240,26 +240,24 @@ class PushWorker:
             endpoint.cancel(request_id)
 
     def _expect(self, endpoint: kvpush.Endpoint, recv: RecvRequest) -> None:
-        rank = self._model.tp_rank
-        if recv.remote_tp_size != self._model.tp_size:
-            self._fail_recv(
-                recv.request_id,
-                [b for g in recv.blocks for b in g],
-                f"P runs tensor parallel size {recv.remote_tp_size} and D {self._model.tp_size}; "
-                "kvpush's vLLM connector pairs equal sizes for now",
-            )
+        assert self._cache is not None
+        try:
+            sources = sources_of(self._model, self._cache, recv.remote_tp_size)
+        except LayoutError as error:
+            self._fail_recv(recv.request_id, [b for g in recv.blocks for b in g], str(error))
             return
         self._recv_blocks[recv.request_id] = {b for g in recv.blocks for b in g}
         self._decided[recv.request_id] = recv.decided_at
-        assert self._cache is not None
+        # P's workers listen on consecutive ports from its base (one stage: base + tp rank).
         endpoint.expect(
             recv.request_id,
-            f"{recv.remote_host}:{recv.remote_port + rank}",
+            [f"{recv.remote_host}:{recv.remote_port + rank}" for rank in sources.ranks],
             [list(group) for group in recv.blocks],
             self._cache.tokens_to_write(recv.num_tokens),
             transfer_id=recv.transfer_id,
             first_tokens=[recv.first_token] * len(recv.blocks),
             ttl=self._config.receive_timeout,
+            share=sources.share,
         )
 
     def _fail_recv(self, request_id: str, blocks: Sequence[int], reason: str) -> None:
