@@ -68,12 +68,14 @@ def backend(name: str) -> Any:
         return FlashInferStandIn
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
     from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
     from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
     classes = [
         CPUAttentionBackend,
+        CPUMLABackend,
         FlashAttentionBackend,
         FlashMLABackend,
         TritonMLABackend,
@@ -338,6 +340,40 @@ def test_layouts_without_contiguous_head_slices_need_equal_tp(layout: str) -> No
         allocate("FLASH_ATTN", layout, 16, tp=(1, 2), seed=1),
         allocate("FLASH_ATTN", layout, 32, tp=(1, 2), seed=2),
     )
+
+
+# ---- vLLM's CPU MLA backend: the one MLA cache a CPU server runs (tests/e2e/test_kvpush_mla.py)
+
+
+@needs_vllm
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_cpu_mla_moves_token_by_token(layout: str) -> None:
+    # vLLM's CPU platform forces 16-token blocks for CPU_MLA; the latent still moves per token.
+    p = allocate("CPU_MLA", layout, 16, seed=1)
+    d = allocate("CPU_MLA", layout, 16, seed=2)
+    assert p.cache.opaque_because is None
+    assert not p.cache.whole_blocks
+    assert p.cache.agreement() == d.cache.agreement() == ""
+    transfer_and_check(p, d)
+
+
+@needs_vllm
+def test_cpu_mla_writes_each_token_where_the_layout_reads_it() -> None:
+    """vLLM's own cache write (``CPUMLAImpl.do_kv_cache_update``) puts token ``slot``'s latent
+    and rope into C of ``[slot // 16, 0, slot % 16]``: the cell kvpush moves it from."""
+    import torch
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    w = allocate("CPU_MLA", "LBNHC", 16)
+    rank, rope = MLA_HEAD - 4, 4
+    slots = torch.tensor([0, 5, 16, 37, 16 * (BLOCKS - 1) + 15])
+    latent = torch.randn(len(slots), rank, dtype=torch.float16)
+    k_pe = torch.randn(len(slots), 1, rope, dtype=torch.float16)
+    impl = object.__new__(CPUMLAImpl)  # the update reads nothing of the instance
+    impl.do_kv_cache_update(latent, k_pe, w.views[0], slots, "auto", torch.tensor(1.0))
+    for i, s in enumerate(slots.tolist()):
+        cell = w.views[0][s // 16, 0, s % 16]
+        assert torch.equal(cell, torch.cat([latent[i], k_pe[i, 0]])), f"slot {s}"
 
 
 # ---- opaque blocks: CPU attention moves whole blocks, as before ------------------------------

@@ -1,10 +1,16 @@
-"""A tiny random-weight Qwen3 model with a locally trained tokenizer, for end-to-end tests.
+"""Tiny random-weight models with a locally trained tokenizer, for end-to-end tests.
 
 Nothing can be downloaded from a model hub on the machines kvpush is tested on, so the tests
-make their own model: a Hugging Face Qwen3 config with random weights saved with
-``save_pretrained``, and a byte-level BPE tokenizer trained with ``tokenizers`` on generated
-text, saved as a ``PreTrainedTokenizerFast`` with a ChatML chat template. vLLM serves the
-directory like any other checkpoint.
+make their own model: a Hugging Face config with random weights saved with ``save_pretrained``,
+and a byte-level BPE tokenizer trained with ``tokenizers`` on generated text, saved as a
+``PreTrainedTokenizerFast`` with a ChatML chat template. vLLM serves the directory like any
+other checkpoint. Two kinds:
+
+* :func:`make_tiny_model`: Qwen3 (grouped-query attention: K and V per KV head);
+* :func:`make_tiny_mla_model`: DeepSeek-V3 (multi-head latent attention: one 576-wide latent
+  per token and layer, the same on every tensor parallel rank), dense layers only. Its latent
+  keeps DeepSeek's kv_lora_rank 512 + qk_rope_head_dim 64, the only size vLLM's CPU MLA decode
+  kernel takes; everything else is tiny.
 
 The weights use ``initializer_range=0.1`` rather than Hugging Face's 0.02: with 0.02 a random
 tiny model largely ignores its context, so its greedy output barely depends on the KV cache
@@ -28,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 MANIFEST = "kvpush-tiny-model.json"
 # Bumped whenever the files this module writes change for the same parameters.
@@ -61,6 +68,29 @@ class TinyModelSpec:
     initializer_range: float
     train_text_sha256: str
     generator_version: int = GENERATOR_VERSION
+
+
+@dataclass(frozen=True)
+class TinyMlaModelSpec:
+    """The MLA model's manifest: everything that determines its files."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    intermediate: int
+    bpe_vocab: int
+    seed: int
+    initializer_range: float
+    train_text_sha256: str
+    architecture: str = "DeepseekV3ForCausalLM"
+    generator_version: int = GENERATOR_VERSION
+
+
+Spec = TinyModelSpec | TinyMlaModelSpec
 
 
 def generated_text(seed: int = 0, words: int = 60_000) -> str:
@@ -126,7 +156,53 @@ def make_tiny_model(
     )
     if heads % kv_heads != 0:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    target = Path(path)
+    return _materialise(Path(path), spec, text)
+
+
+def make_tiny_mla_model(
+    path: str | Path,
+    *,
+    layers: int = 2,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_lora_rank: int = 512,
+    qk_rope_head_dim: int = 64,
+    qk_nope_head_dim: int = 32,
+    v_head_dim: int = 32,
+    intermediate: int | None = None,
+    bpe_vocab: int = 2048,
+    vocab_train_text: str | None = None,
+    seed: int = 0,
+    initializer_range: float = 0.1,
+) -> Path:
+    """Make (or reuse) a random-weight DeepSeek-V3 (MLA) checkpoint with its tokenizer at ``path``.
+
+    Every layer is dense (``first_k_dense_replace`` is the number of layers: no mixture of
+    experts) and queries are projected directly (``q_lora_rank`` None, as in DeepSeek-V2-Lite).
+    ``kv_lora_rank + qk_rope_head_dim`` is the latent vLLM caches per token; its CPU MLA decode
+    kernel takes 576 only (the defaults). The tokenizer, the manifest and the reuse rules are
+    :func:`make_tiny_model`'s.
+    """
+    text = generated_text(seed) if vocab_train_text is None else vocab_train_text
+    spec = TinyMlaModelSpec(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        qk_nope_head_dim=qk_nope_head_dim,
+        v_head_dim=v_head_dim,
+        intermediate=intermediate if intermediate is not None else 2 * hidden,
+        bpe_vocab=bpe_vocab,
+        seed=seed,
+        initializer_range=initializer_range,
+        train_text_sha256=hashlib.sha256(text.encode()).hexdigest(),
+    )
+    return _materialise(Path(path), spec, text)
+
+
+def _materialise(target: Path, spec: Spec, text: str) -> Path:
+    """``target`` holding the model of ``spec``: reused when its manifest matches, else made."""
     manifest = target / MANIFEST
     if manifest.is_file():
         if _read_manifest(manifest) == asdict(spec) and _complete(target):
@@ -174,10 +250,71 @@ def _require(module: str) -> ModuleType:
         ) from exc
 
 
-def _write_model(directory: Path, spec: TinyModelSpec, text: str) -> None:
-    tokenizers = _require("tokenizers")
+def _write_model(directory: Path, spec: Spec, text: str) -> None:
     transformers = _require("transformers")
     torch = _require("torch")
+    tokenizer = _write_tokenizer(directory, spec.bpe_vocab, text)
+    # What both kinds share: the tokenizer's vocabulary and ids, fp32, random weights.
+    shared = {
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": MAX_POSITIONS,
+        "initializer_range": spec.initializer_range,
+        "bos_token_id": tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+        "eos_token_id": tokenizer.convert_tokens_to_ids(IM_END),
+        "pad_token_id": tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+        "torch_dtype": "float32",
+    }
+    if isinstance(spec, TinyMlaModelSpec):
+        config = transformers.DeepseekV3Config(
+            hidden_size=spec.hidden,
+            intermediate_size=spec.intermediate,
+            num_hidden_layers=spec.layers,
+            num_attention_heads=spec.heads,
+            num_key_value_heads=spec.heads,
+            q_lora_rank=None,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_rope_head_dim=spec.qk_rope_head_dim,
+            qk_nope_head_dim=spec.qk_nope_head_dim,
+            v_head_dim=spec.v_head_dim,
+            head_dim=spec.qk_rope_head_dim,
+            # Dense layers only: the mixture-of-experts settings below are never used, but
+            # kept small and consistent for loaders that read them anyway.
+            first_k_dense_replace=spec.layers,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=spec.intermediate // 4,
+            n_group=1,
+            topk_group=1,
+            num_nextn_predict_layers=0,
+            # vLLM's DeepSeek model has an lm_head of its own and never ties it to the
+            # embedding: a tied checkpoint (no lm_head weight) would serve uniform logits.
+            tie_word_embeddings=False,
+            **shared,
+        )
+        model_class = transformers.DeepseekV3ForCausalLM
+    else:
+        config = transformers.Qwen3Config(
+            hidden_size=spec.hidden,
+            intermediate_size=spec.intermediate,
+            num_hidden_layers=spec.layers,
+            num_attention_heads=spec.heads,
+            num_key_value_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            tie_word_embeddings=True,
+            **shared,
+        )
+        model_class = transformers.Qwen3ForCausalLM
+    torch.manual_seed(spec.seed)
+    model = model_class(config)
+    model.save_pretrained(directory, safe_serialization=True)
+    (directory / MANIFEST).write_text(json.dumps(asdict(spec), indent=2) + "\n")
+
+
+def _write_tokenizer(directory: Path, bpe_vocab: int, text: str) -> Any:
+    """Trains the byte-level BPE on ``text`` and saves it; returns the fast tokenizer."""
+    tokenizers = _require("tokenizers")
+    transformers = _require("transformers")
 
     byte_level = tokenizers.pre_tokenizers.ByteLevel
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
@@ -185,7 +322,7 @@ def _write_model(directory: Path, spec: TinyModelSpec, text: str) -> None:
     bpe.decoder = tokenizers.decoders.ByteLevel()
     bpe.post_processor = tokenizers.processors.ByteLevel(trim_offsets=False)
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=spec.bpe_vocab,
+        vocab_size=bpe_vocab,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=byte_level.alphabet(),
         show_progress=False,
@@ -202,57 +339,48 @@ def _write_model(directory: Path, spec: TinyModelSpec, text: str) -> None:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
-
-    config = transformers.Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=MAX_POSITIONS,
-        initializer_range=spec.initializer_range,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
-        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
-        pad_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
-        torch_dtype="float32",
-    )
-    torch.manual_seed(spec.seed)
-    model = transformers.Qwen3ForCausalLM(config)
-    model.save_pretrained(directory, safe_serialization=True)
-    (directory / MANIFEST).write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    return tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvpush model make PATH`` (or ``python -m kvpush.model PATH``): make a tiny model."""
     parser = argparse.ArgumentParser(
         prog="kvpush model make",
-        description="Make (or reuse) a random-weight Qwen3 model and its tokenizer in PATH.",
+        description=(
+            "Make (or reuse) a random-weight Qwen3 model, or with --mla a DeepSeek-V3 (MLA) "
+            "model, and its tokenizer in PATH."
+        ),
     )
     parser.add_argument("path", type=Path, metavar="PATH")
+    parser.add_argument(
+        "--mla",
+        action="store_true",
+        help="DeepSeek-V3 multi-head latent attention (kv_lora_rank 512, rope 64) instead of Qwen3",
+    )
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--kv-heads", type=int, default=2, help="Qwen3 only")
+    parser.add_argument("--head-dim", type=int, default=64, help="Qwen3 only")
     parser.add_argument("--bpe-vocab", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--initializer-range", type=float, default=0.1)
     args = parser.parse_args(argv)
+    common = {
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "heads": args.heads,
+        "bpe_vocab": args.bpe_vocab,
+        "seed": args.seed,
+        "initializer_range": args.initializer_range,
+    }
     try:
-        path = make_tiny_model(
-            args.path,
-            layers=args.layers,
-            hidden=args.hidden,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            head_dim=args.head_dim,
-            bpe_vocab=args.bpe_vocab,
-            seed=args.seed,
-            initializer_range=args.initializer_range,
-        )
+        if args.mla:
+            path = make_tiny_mla_model(args.path, **common)
+        else:
+            path = make_tiny_model(
+                args.path, kv_heads=args.kv_heads, head_dim=args.head_dim, **common
+            )
     except (FileExistsError, ImportError, ValueError) as exc:
         print(f"kvpush model make: {exc}", file=sys.stderr)
         return 2

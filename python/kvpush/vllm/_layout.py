@@ -13,7 +13,8 @@ and refuses, naming the layout, a tensor that does not follow it. Then:
 
 * **C is one token's cell** (K then V; MLA's latent and rope as one cell) for the backends in
   :data:`TOKEN_CELL_BACKENDS`, whose kernels split C per token (FlashAttention and Triton:
-  ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``; FlashInfer: ``split(hs, dim=-1)``).
+  ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``; FlashInfer: ``split(hs, dim=-1)``;
+  vLLM CPU's ``CPU_MLA``: one row of latent and rope per slot).
   Tokens move one by one, so P and D may use different block sizes. Heads are sliced between
   different tensor parallel sizes when a block holds ``[H][N][C]`` (``LBHNC``, ``BLHNC``: the
   planner's HND); ``[N][H][C]`` (``LBNHC``, ``BLNHC``: NHD) and layouts that put blocks or layers
@@ -70,6 +71,10 @@ TOKEN_CELL_BACKENDS = frozenset(
         "CUTLASS_MLA",
         "TRITON_MLA",
         "ROCM_AITER_MLA",
+        # vLLM's CPU build: ``CPUMLAImpl.do_kv_cache_update`` writes each token's latent and rope
+        # as one row of ``kv_cache.view(-1, kv_lora_rank + rope)`` (``cpu_mla.py``). AMX_MLA's
+        # cache is written by a C++ op (``amx_mla_concat_and_cache``) not read here: opaque.
+        "CPU_MLA",
     }
 )
 
