@@ -24,7 +24,7 @@ from typing import Any
 
 REQUIRED_D_PARAMS = ("remote_host", "remote_port")
 
-logger = logging.getLogger("kvpush.vllm")
+logger = logging.getLogger("vllm.kvpush")
 
 
 @dataclass(frozen=True)

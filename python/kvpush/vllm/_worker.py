@@ -20,7 +20,7 @@ from kvpush.vllm import _stats
 from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches, sources_of
 from kvpush.vllm._scheduler import PushMetadata, RecvRequest
 
-logger = logging.getLogger("kvpush.vllm")
+logger = logging.getLogger("vllm.kvpush")
 
 #: When set, each worker appends one JSON line per finished transfer to
 #: ``$KVPUSH_TIMELINE_DIR/<engine>-tp<rank>.jsonl`` (``kvpush demo`` reads them).

@@ -59,7 +59,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger("kvpush.vllm")
+# Under vLLM's "vllm" logger, so that the server's log shows kvpush's lines at its level.
+logger = logging.getLogger("vllm.kvpush")
 
 
 class KvPushMetadata(KVConnectorMetadata):  # type: ignore[misc]
