@@ -123,7 +123,7 @@ def test_bad_params_fall_back_to_a_local_prefill_of_that_request_alone(
     """An llm-d-style first request forwards P's answer as is; a bad one must not raise inside
     the engine's step (that kills EngineCore and every request on it)."""
     sched = PushScheduler()
-    with caplog.at_level("WARNING", logger="kvpush.vllm"):
+    with caplog.at_level("WARNING", logger="vllm.kvpush"):
         assert sched.external_tokens("d-bad", params, 10, 0) == (0, False)
     assert complaint in caplog.text
     assert "d-bad" in caplog.text
