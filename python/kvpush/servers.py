@@ -252,9 +252,13 @@ class VllmServer:
                 env=self.environment(),
                 start_new_session=True,
                 preexec_fn=functools.partial(
-                    _prepare_child, cpu_list(self.cpu) if self.confined else None
+                    _prepare_child, self.cpus() if self.confined else None
                 ),
             )
+
+    def cpus(self) -> set[int]:
+        """Every CPU of :attr:`cpu`, whose tensor parallel ranks vLLM separates with ``|``."""
+        return set().union(*(cpu_list(rank) for rank in self.cpu.split("|")))
 
     @property
     def pid(self) -> int | None:

@@ -1,0 +1,164 @@
+"""Prefill and decode servers of different tensor parallel sizes: a real vLLM prefill server at
+``--tensor-parallel-size 2`` (one core per rank, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``) and a
+decode server at 1, behind ``kvpush proxy``.
+
+D's one worker receives each request's KV from both of P's workers (each holds half the KV
+heads) and starts only once both delivered. Checked against a plain single server (size 1):
+
+* D's greedy continuation: token ids, and log-probabilities within 1e-3 (a head missing or
+  written into the wrong slab changes them far more), sequentially and concurrently;
+* every prompt token came from P (``source="p2p"``), and both of P's workers sent their share.
+
+vLLM's own pull connector hangs on this pair on this machine (its P workers stop in
+``execute_model``); kvpush's earlier connector refused every such request. The single server
+runs before the pair, so at most the pair shares the two cores.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.proxy import PrefillInstance, ProxyServer
+from kvpush.servers import HOST, metric_value
+from tests.e2e.harness import VllmServer, running
+from tests.e2e.test_kvpush_pair import Pair, assert_same, kvpush_config
+from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM not installed: run scripts/setup-vllm VENV and use its python",
+    ),
+]
+
+SEQUENTIAL = (300, 1000, 2100)
+CONCURRENT = (500, 900)
+PREFILL_ENGINE_ID = "kvpush-e2e-prefill-tp2"
+# P's two ranks spin on both cores through every all-reduce (vLLM CPU's shared-memory
+# collectives), and D shares one of them: a writer thread can wait many seconds for a core here,
+# past the 10 s defaults. What these bound (a stuck WRITE, a dead peer) is not under test.
+TIMEOUTS = {"write_timeout": 60.0, "peer_timeout": 30.0}
+# CPU attention moves whole blocks, sliced by head: P and D share the block size.
+BLOCK = "128"
+
+
+def config(role: str, secret: str) -> dict[str, object]:
+    base = kvpush_config(role, secret)
+    return {**base, "kv_connector_extra_config": {"secret": secret, **TIMEOUTS}}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvpush.model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model: Path) -> dict[int, list[int]]:
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    return {n: prompt_token_ids(n, vocab, seed=n) for n in SEQUENTIAL + CONCURRENT}
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("logs")
+    yield path
+    print(f"server logs: {path}")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path, prompts: dict[int, list[int]], logs: Path) -> dict[int, Any]:
+    """What a plain single server (tensor parallel size 1) answers, before the pair starts."""
+    single = VllmServer("single", tiny_model, logs, cpu="0", extra_args=["--block-size", BLOCK])
+    with running(single):
+        return {
+            n: single.post("/v1/completions", greedy_body(tiny_model, p))
+            for n, p in prompts.items()
+        }
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
+    secret = secrets.token_hex(16)
+    prefill = VllmServer(
+        "prefill-tp2",
+        tiny_model,
+        logs,
+        cpu="0|1",
+        kv_transfer_config={
+            **config("kv_producer", secret),
+            "engine_id": PREFILL_ENGINE_ID,
+        },
+        extra_args=["--tensor-parallel-size", "2", "--block-size", BLOCK],
+    )
+    decode = VllmServer(
+        "decode-tp1",
+        tiny_model,
+        logs,
+        cpu="1",
+        kv_transfer_config=config("kv_consumer", secret),
+        extra_args=["--no-enable-prefix-caching", "--block-size", BLOCK],
+    )
+    with running(prefill, decode, timeout_s=420.0):
+        proxy = ProxyServer(
+            prefill=[
+                PrefillInstance(
+                    prefill.url, PREFILL_ENGINE_ID, HOST, prefill.side_channel_port, tp=2
+                )
+            ],
+            decode=[decode.url],
+            host="127.0.0.1",
+            port=0,
+        )
+        proxy.start()
+        try:
+            yield Pair(prefill, decode, proxy)
+        finally:
+            proxy.stop()
+
+
+def test_sequential_requests_match_a_single_server(
+    pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
+) -> None:
+    for n in SEQUENTIAL:
+        started = time.monotonic()
+        got = pair.complete(greedy_body(tiny_model, prompts[n]))
+        print(f"{n} prompt tokens, P tp2 -> D tp1: {time.monotonic() - started:.2f} s")
+        assert_same(n, got, reference[n])
+
+
+def test_concurrent_requests_match_a_single_server(
+    pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
+) -> None:
+    with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
+        futures = {
+            n: pool.submit(pair.complete, greedy_body(tiny_model, prompts[n])) for n in CONCURRENT
+        }
+        for n, future in futures.items():
+            assert_same(n, future.result(), reference[n])
+
+
+def test_every_prompt_token_came_from_both_p_workers(pair: Pair) -> None:
+    metrics = pair.decode.metrics()
+    prompt_tokens = metric_value(metrics, "vllm:prompt_tokens_total")
+    from_p2p = metric_value(metrics, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+    print(f"D: prompt tokens {prompt_tokens:.0f}, from p2p {from_p2p:.0f}")
+    assert prompt_tokens == sum(SEQUENTIAL) + sum(CONCURRENT)
+    assert from_p2p == prompt_tokens, "D computed part of a prompt instead of receiving it"
+    # D's one worker counts the bytes of every DONE: both P workers' halves of the heads.
+    p_bytes = metric_value(pair.prefill.metrics(), "vllm:kvpush_bytes_sum")
+    d_bytes = metric_value(metrics, "vllm:kvpush_bytes_sum")
+    print(f"P sent {p_bytes:.0f} bytes, D received {d_bytes:.0f}")
+    assert d_bytes > 0
+    assert p_bytes == d_bytes, "what both P workers sent is what D's worker received"
