@@ -493,32 +493,36 @@ def test_block_outermost_layers_register_one_span() -> None:
 # ---- two workers through their endpoints (loopback transport) --------------------------------
 
 
+def push_worker(engine: str, w: Worker, base_port: int = 0) -> Any:
+    """The connector's worker over ``w``'s caches, on the loopback transport; rank r of the
+    engine listens on ``base_port + r`` (0: any free port, for one rank)."""
+    from kvpush.vllm._worker import PushWorker, WorkerConfig
+
+    config = WorkerConfig(
+        engine_id=engine,
+        side_channel_host="127.0.0.1",
+        side_channel_port=base_port,
+        secret=b"layouts-test-secret-0123",
+        insecure=False,
+        ttl=30.0,
+        receive_timeout=30.0,
+        transport="loopback",
+        model_fingerprint="tiny",
+    )
+    pw = PushWorker(config, w.model)
+    pw.register([TensorView.of(v) for v in w.views])
+    return pw
+
+
 @needs_vllm
 def test_two_workers_move_block_outermost_caches_through_endpoints() -> None:
     from kvpush.vllm._scheduler import PushScheduler
-    from kvpush.vllm._worker import PushWorker, WorkerConfig
 
     p, d = allocate("FLASH_ATTN", "BLHNC", 16, seed=1), allocate("FLASH_ATTN", "BLHNC", 32, seed=2)
     reqs = requests(p, d)[:1]
     expected = expected_cache(p, d, reqs)
 
-    def worker(engine: str, w: Worker) -> PushWorker:
-        config = WorkerConfig(
-            engine_id=engine,
-            side_channel_host="127.0.0.1",
-            side_channel_port=0,
-            secret=b"layouts-test-secret-0123",
-            insecure=False,
-            ttl=30.0,
-            receive_timeout=30.0,
-            transport="loopback",
-            model_fingerprint="tiny",
-        )
-        pw = PushWorker(config, w.model)
-        pw.register([TensorView.of(v) for v in w.views])
-        return pw
-
-    pw, dw = worker("prefill", p), worker("decode", d)
+    pw, dw = push_worker("prefill", p), push_worker("decode", d)
     try:
         (r,) = reqs
         port = int(pw.endpoint.address.rsplit(":", 1)[1])
@@ -656,7 +660,6 @@ def test_workers_of_different_tp_sizes_move_cpu_attention_caches(p_tp: int, d_tp
     receives its heads from the P ranks holding them, and reports the request done once."""
     from kvpush.servers import free_port
     from kvpush.vllm._scheduler import PushScheduler
-    from kvpush.vllm._worker import PushWorker, WorkerConfig
 
     p_base = free_port()
     p = [allocate("CPU_ATTN", "LBHNC", 32, tp=(r, p_tp), seed=1 + r) for r in range(p_tp)]
@@ -670,24 +673,8 @@ def test_workers_of_different_tp_sizes_move_cpu_attention_caches(p_tp: int, d_tp
             expected[i] = expected_cache(p_rank, d_rank, [r])
             d_rank.raw = saved
 
-    def worker(engine: str, w: Worker, base: int) -> PushWorker:
-        config = WorkerConfig(
-            engine_id=engine,
-            side_channel_host="127.0.0.1",
-            side_channel_port=base,
-            secret=b"layouts-test-secret-0123",
-            insecure=False,
-            ttl=30.0,
-            receive_timeout=30.0,
-            transport="loopback",
-            model_fingerprint="tiny",
-        )
-        pw = PushWorker(config, w.model)
-        pw.register([TensorView.of(v) for v in w.views])
-        return pw
-
-    pws = [worker("prefill", w, p_base) for w in p]
-    dws = [worker("decode", w, free_port()) for w in d]
+    pws = [push_worker("prefill", w, p_base) for w in p]
+    dws = [push_worker("decode", w, free_port()) for w in d]
     try:
         params = {
             "do_remote_prefill": True,

@@ -26,7 +26,6 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,20 +70,6 @@ def config(role: str, secret: str, **extra: Any) -> dict[str, object]:
         "write_timeout": WRITE_TIMEOUT,
     }
     return {**base, "kv_connector_extra_config": {"secret": secret, **timeouts}, **extra}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpush.model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
-
-
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("logs")
-    yield path
-    print(f"server logs: {path}")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ most two servers share the two cores.
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.util
 import json
 import secrets
@@ -41,7 +40,7 @@ import pytest
 
 from kvpush.servers import HOST, metric_value
 from tests.e2e.harness import VllmServer, completion_logprobs, running
-from tests.e2e.test_kvpush_pair import Pair, assert_same, kvpush_config
+from tests.e2e.test_kvpush_pair import Pair, assert_concurrent, assert_same, kvpush_config
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
 
 pytestmark = [
@@ -78,13 +77,6 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def prompts(mla_model: Path) -> dict[int, list[int]]:
     vocab = json.loads((mla_model / "config.json").read_text())["vocab_size"]
     return {n: prompt_token_ids(n, vocab, seed=n) for n in SEQUENTIAL + CONCURRENT}
-
-
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("logs")
-    yield path
-    print(f"server logs: {path}")
 
 
 @pytest.fixture(scope="module")
@@ -169,12 +161,7 @@ def test_sequential_requests_match_a_single_server(
 def test_concurrent_requests_match_a_single_server(
     pair: Pair, mla_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
 ) -> None:
-    with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
-        futures = {
-            n: pool.submit(pair.complete, greedy_body(mla_model, prompts[n])) for n in CONCURRENT
-        }
-        for n, future in futures.items():
-            assert_same(n, future.result(), reference[n])
+    assert_concurrent(pair, mla_model, prompts, reference, CONCURRENT)
 
 
 def test_every_prompt_token_came_from_p(pair: Pair) -> None:

@@ -64,23 +64,9 @@ def kvpush_config(role: str, secret: str) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpush.model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
-
-
-@pytest.fixture(scope="module")
 def prompts(tiny_model: Path) -> dict[int, list[int]]:
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     return {n: prompt_token_ids(n, vocab, seed=n) for n in SEQUENTIAL + CONCURRENT}
-
-
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("logs")
-    yield path
-    print(f"server logs: {path}")
 
 
 @pytest.fixture(scope="module")
@@ -161,25 +147,39 @@ def assert_same(n: int, got: Any, want: Any) -> None:
     ), f"{n}-token prompt: D's log-probabilities differ from the single server's"
 
 
+def assert_sequential(
+    pair: Pair, model: Path, prompts: dict[int, list[int]], reference: dict[int, Any],
+    lengths: tuple[int, ...],
+) -> None:  # fmt: skip
+    """Each prompt of ``lengths`` through the pair, one at a time, equals the reference."""
+    for n in lengths:
+        started = time.monotonic()
+        got = pair.complete(greedy_body(model, prompts[n]))
+        print(f"{n} prompt tokens through kvpush: {time.monotonic() - started:.2f} s")
+        assert_same(n, got, reference[n])
+
+
+def assert_concurrent(
+    pair: Pair, model: Path, prompts: dict[int, list[int]], reference: dict[int, Any],
+    lengths: tuple[int, ...],
+) -> None:  # fmt: skip
+    """The prompts of ``lengths`` through the pair at once each equal the reference."""
+    with concurrent.futures.ThreadPoolExecutor(len(lengths)) as pool:
+        futures = {n: pool.submit(pair.complete, greedy_body(model, prompts[n])) for n in lengths}
+        for n, future in futures.items():
+            assert_same(n, future.result(), reference[n])
+
+
 def test_sequential_requests_match_a_single_server(
     pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
 ) -> None:
-    for n in SEQUENTIAL:
-        started = time.monotonic()
-        got = pair.complete(greedy_body(tiny_model, prompts[n]))
-        print(f"{n} prompt tokens through kvpush: {time.monotonic() - started:.2f} s")
-        assert_same(n, got, reference[n])
+    assert_sequential(pair, tiny_model, prompts, reference, SEQUENTIAL)
 
 
 def test_concurrent_requests_match_a_single_server(
     pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
 ) -> None:
-    with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
-        futures = {
-            n: pool.submit(pair.complete, greedy_body(tiny_model, prompts[n])) for n in CONCURRENT
-        }
-        for n, future in futures.items():
-            assert_same(n, future.result(), reference[n])
+    assert_concurrent(pair, tiny_model, prompts, reference, CONCURRENT)
 
 
 def test_every_prompt_token_came_from_p(pair: Pair) -> None:

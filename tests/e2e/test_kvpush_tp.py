@@ -16,11 +16,9 @@ runs before the pair, so at most the pair shares the two cores.
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.util
 import json
 import secrets
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,7 @@ import pytest
 from kvpush.proxy import PrefillInstance, ProxyServer
 from kvpush.servers import HOST, metric_value
 from tests.e2e.harness import VllmServer, running
-from tests.e2e.test_kvpush_pair import Pair, assert_same, kvpush_config
+from tests.e2e.test_kvpush_pair import Pair, assert_concurrent, assert_sequential, kvpush_config
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
 
 pytestmark = [
@@ -58,23 +56,9 @@ def config(role: str, secret: str) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpush.model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
-
-
-@pytest.fixture(scope="module")
 def prompts(tiny_model: Path) -> dict[int, list[int]]:
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     return {n: prompt_token_ids(n, vocab, seed=n) for n in SEQUENTIAL + CONCURRENT}
-
-
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("logs")
-    yield path
-    print(f"server logs: {path}")
 
 
 @pytest.fixture(scope="module")
@@ -131,22 +115,13 @@ def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pa
 def test_sequential_requests_match_a_single_server(
     pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
 ) -> None:
-    for n in SEQUENTIAL:
-        started = time.monotonic()
-        got = pair.complete(greedy_body(tiny_model, prompts[n]))
-        print(f"{n} prompt tokens, P tp2 -> D tp1: {time.monotonic() - started:.2f} s")
-        assert_same(n, got, reference[n])
+    assert_sequential(pair, tiny_model, prompts, reference, SEQUENTIAL)
 
 
 def test_concurrent_requests_match_a_single_server(
     pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
 ) -> None:
-    with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
-        futures = {
-            n: pool.submit(pair.complete, greedy_body(tiny_model, prompts[n])) for n in CONCURRENT
-        }
-        for n, future in futures.items():
-            assert_same(n, future.result(), reference[n])
+    assert_concurrent(pair, tiny_model, prompts, reference, CONCURRENT)
 
 
 def test_every_prompt_token_came_from_both_p_workers(pair: Pair) -> None:
