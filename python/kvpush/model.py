@@ -1,10 +1,15 @@
-"""A tiny random-weight Qwen3 model with a locally trained tokenizer, for end-to-end tests.
+"""A tiny random-weight model with a locally trained tokenizer, for end-to-end tests.
 
 Nothing can be downloaded from a model hub on the machines kvpush is tested on, so the tests
-make their own model: a Hugging Face Qwen3 config with random weights saved with
+make their own model: a Hugging Face config with random weights saved with
 ``save_pretrained``, and a byte-level BPE tokenizer trained with ``tokenizers`` on generated
 text, saved as a ``PreTrainedTokenizerFast`` with a ChatML chat template. vLLM serves the
 directory like any other checkpoint.
+
+Two architectures (``architecture``): ``qwen3``, every layer full attention (one KV cache
+group in vLLM); ``gemma3``, whose layers alternate sliding-window and full attention
+(``layer_types``), which vLLM's hybrid KV cache manager keeps as two KV cache groups, the
+sliding-window one holding only the blocks of the last ``sliding_window`` tokens.
 
 The weights use ``initializer_range=0.1`` rather than Hugging Face's 0.02: with 0.02 a random
 tiny model largely ignores its context, so its greedy output barely depends on the KV cache
@@ -44,6 +49,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 MAX_POSITIONS = 32768
+ARCHITECTURES = ("qwen3", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,10 @@ class TinyModelSpec:
     initializer_range: float
     train_text_sha256: str
     generator_version: int = GENERATOR_VERSION
+    architecture: str = "qwen3"
+    #: gemma3: tokens a sliding-window layer attends to; every other layer (from the first) is
+    #: a sliding-window layer, the rest full attention.
+    sliding_window: int | None = None
 
 
 def generated_text(seed: int = 0, words: int = 60_000) -> str:
@@ -102,8 +112,14 @@ def make_tiny_model(
     vocab_train_text: str | None = None,
     seed: int = 0,
     initializer_range: float = 0.1,
+    architecture: str = "qwen3",
+    sliding_window: int = 256,
 ) -> Path:
-    """Make (or reuse) a random-weight Qwen3 checkpoint with its tokenizer at ``path``.
+    """Make (or reuse) a random-weight checkpoint with its tokenizer at ``path``.
+
+    ``architecture`` is ``qwen3`` (full attention) or ``gemma3`` (layers alternate
+    ``sliding_window``-token sliding-window and full attention; ``sliding_window`` is ignored
+    for ``qwen3``).
 
     ``vocab_train_text`` is the BPE training corpus; by default :func:`generated_text` of
     ``seed``. ``bpe_vocab`` is the BPE trainer's target; the model's vocabulary is the trained
@@ -123,7 +139,13 @@ def make_tiny_model(
         seed=seed,
         initializer_range=initializer_range,
         train_text_sha256=hashlib.sha256(text.encode()).hexdigest(),
+        architecture=architecture,
+        sliding_window=sliding_window if architecture == "gemma3" else None,
     )
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r}: expected one of {ARCHITECTURES}")
+    if architecture == "gemma3" and layers < 2:
+        raise ValueError("a gemma3 model needs 2 layers or more: one sliding-window, one full")
     if heads % kv_heads != 0:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     target = Path(path)
@@ -203,24 +225,43 @@ def _write_model(directory: Path, spec: TinyModelSpec, text: str) -> None:
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
 
-    config = transformers.Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=MAX_POSITIONS,
-        initializer_range=spec.initializer_range,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
-        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
-        pad_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
-        torch_dtype="float32",
-    )
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": MAX_POSITIONS,
+        "initializer_range": spec.initializer_range,
+        "tie_word_embeddings": True,
+        "bos_token_id": tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+        "eos_token_id": tokenizer.convert_tokens_to_ids(IM_END),
+        "pad_token_id": tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+        "torch_dtype": "float32",
+    }
     torch.manual_seed(spec.seed)
-    model = transformers.Qwen3ForCausalLM(config)
+    if spec.architecture == "gemma3":
+        layer_types = [
+            "sliding_attention" if layer % 2 == 0 else "full_attention"
+            for layer in range(spec.layers)
+        ]
+        config = transformers.Gemma3TextConfig(
+            **common,
+            sliding_window=spec.sliding_window,
+            layer_types=layer_types,
+            query_pre_attn_scalar=spec.head_dim,
+        )
+        config.architectures = ["Gemma3ForCausalLM"]
+        model = transformers.Gemma3ForCausalLM(config)
+        # Gemma multiplies the embeddings by sqrt(hidden): with random weights that residual
+        # drowns what attention adds, and the greedy output ignores the context (one token
+        # repeated whatever the prompt). Scaled back, a changed prompt token changes it.
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(spec.hidden**-0.5)
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
     model.save_pretrained(directory, safe_serialization=True)
     (directory / MANIFEST).write_text(json.dumps(asdict(spec), indent=2) + "\n")
 
@@ -229,9 +270,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``kvpush model make PATH`` (or ``python -m kvpush.model PATH``): make a tiny model."""
     parser = argparse.ArgumentParser(
         prog="kvpush model make",
-        description="Make (or reuse) a random-weight Qwen3 model and its tokenizer in PATH.",
+        description="Make (or reuse) a random-weight model and its tokenizer in PATH.",
     )
     parser.add_argument("path", type=Path, metavar="PATH")
+    parser.add_argument("--architecture", choices=ARCHITECTURES, default="qwen3")
+    parser.add_argument("--sliding-window", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
@@ -252,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             bpe_vocab=args.bpe_vocab,
             seed=args.seed,
             initializer_range=args.initializer_range,
+            architecture=args.architecture,
+            sliding_window=args.sliding_window,
         )
     except (FileExistsError, ImportError, ValueError) as exc:
         print(f"kvpush model make: {exc}", file=sys.stderr)
