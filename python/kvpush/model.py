@@ -6,10 +6,12 @@ make their own model: a Hugging Face config with random weights saved with
 text, saved as a ``PreTrainedTokenizerFast`` with a ChatML chat template. vLLM serves the
 directory like any other checkpoint.
 
-Two architectures (``architecture``): ``qwen3``, every layer full attention (one KV cache
+Three architectures (``architecture``): ``qwen3``, every layer full attention (one KV cache
 group in vLLM); ``gemma3``, whose layers alternate sliding-window and full attention
 (``layer_types``), which vLLM's hybrid KV cache manager keeps as two KV cache groups, the
-sliding-window one holding only the blocks of the last ``sliding_window`` tokens.
+sliding-window one holding only the blocks of the last ``sliding_window`` tokens;
+``nemotron_h``, a hybrid of Mamba-2 (SSM state), attention and MLP layers in turn, whose Mamba
+group holds one state per request (vLLM CPU serves it with ``--no-enable-prefix-caching``).
 
 The weights use ``initializer_range=0.1`` rather than Hugging Face's 0.02: with 0.02 a random
 tiny model largely ignores its context, so its greedy output barely depends on the KV cache
@@ -49,7 +51,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 MAX_POSITIONS = 32768
-ARCHITECTURES = ("qwen3", "gemma3")
+ARCHITECTURES = ("qwen3", "gemma3", "nemotron_h")
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,8 @@ def make_tiny_model(
     )
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r}: expected one of {ARCHITECTURES}")
-    if architecture == "gemma3" and layers < 2:
-        raise ValueError("a gemma3 model needs 2 layers or more: one sliding-window, one full")
+    if architecture in ("gemma3", "nemotron_h") and layers < 2:
+        raise ValueError(f"a {architecture} model needs 2 layers or more (two kinds of layer)")
     if heads % kv_heads != 0:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     target = Path(path)
@@ -260,6 +262,21 @@ def _write_model(directory: Path, spec: TinyModelSpec, text: str) -> None:
         # repeated whatever the prompt). Scaled back, a changed prompt token changes it.
         with torch.no_grad():
             model.get_input_embeddings().weight.mul_(spec.hidden**-0.5)
+    elif spec.architecture == "nemotron_h":
+        kinds = ("mamba", "attention", "mlp")
+        expand = 2
+        config = transformers.NemotronHConfig(
+            **common,
+            layers_block_type=[kinds[layer % 3] for layer in range(spec.layers)],
+            ssm_state_size=16,
+            mamba_num_heads=expand * spec.hidden // spec.head_dim,
+            mamba_head_dim=spec.head_dim,
+            n_groups=1,
+            expand=expand,
+            chunk_size=128,
+        )
+        config.architectures = ["NemotronHForCausalLM"]
+        model = transformers.NemotronHForCausalLM(config)
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
     model.save_pretrained(directory, safe_serialization=True)

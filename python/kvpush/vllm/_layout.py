@@ -294,6 +294,26 @@ class CacheGroups:
         return tuple(tuple(block_ids[index]) for index in self.transfer_ids)
 
 
+def views_by_group(
+    kv_caches: Mapping[str, object], groups: CacheGroups | None
+) -> tuple[list[TensorView], list[int]]:
+    """The tensors vLLM registers with the connector (layer name to tensor, in layer order) as
+    :func:`layout_from_caches` takes them: distinct ``(tensor, group)`` pairs and their groups.
+
+    Layers of one group that share a cache (aliases) count once, but the hybrid manager's layers
+    of different groups that share a tensor each address it with their own group's blocks, so
+    each is a region. Layers of groups that take no part in transfer are left out.
+    """
+    seen: dict[tuple[int, int], TensorView] = {}
+    for name, tensor in kv_caches.items():
+        group = 0 if groups is None else groups.layers.get(name)
+        if group is None:
+            continue
+        view = TensorView.of(tensor)
+        seen.setdefault((view.data_ptr, group), view)
+    return list(seen.values()), [group for _, group in seen]
+
+
 def window_start(blocks: Sequence[int], block_size: int) -> tuple[int, tuple[int, ...]]:
     """P: a group's blocks of a finished prompt without the null blocks vLLM left for the
     tokens before a sliding window, and the first token of the first one kept."""

@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpush.vllm import _stats
-from kvpush.vllm._layout import CacheGroups, Model, TensorView
+from kvpush.vllm._layout import CacheGroups, Model, views_by_group
 from kvpush.vllm._scheduler import PushMetadata, PushScheduler
 from kvpush.vllm._worker import PushWorker, WorkerConfig
 
@@ -335,19 +335,7 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        # Distinct (tensor, group) pairs in layer order: layers of one group that share a cache
-        # (aliases) count once, but the hybrid manager's layers of different groups that share
-        # a tensor each address it with their own group's blocks. Layers of groups that take no
-        # part in transfer are left out.
-        groups = self._groups
-        seen: dict[tuple[int, int], TensorView] = {}
-        for name, tensor in kv_caches.items():
-            group = 0 if groups is None else groups.layers.get(name)
-            if group is None:
-                continue
-            view = TensorView.of(tensor)
-            seen.setdefault((view.data_ptr, group), view)
-        self._work.register(list(seen.values()), [group for _, group in seen])
+        self._work.register(*views_by_group(kv_caches, self._groups))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Act on the step's instructions here, before the forward pass, not in start_load_kv:
