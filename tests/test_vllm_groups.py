@@ -24,7 +24,6 @@ Needs vLLM (``.venv-vllm``), and NIXL for the two-process tests.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -39,6 +38,7 @@ from kvpush.exceptions import LayoutError
 from kvpush.vllm._layout import NULL_BLOCK, CacheGroups, Model, views_by_group
 from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import PushWorker, WorkerConfig
+from tests.conftest import nixl_or_skip
 from tests.peers import RemoteWorker
 
 pytestmark = pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")
@@ -271,6 +271,7 @@ class GroupsWorker:
 
 def spawn(role: str, backend_name: str, block_size: int, seed: int) -> Any:
     return RemoteWorker(
+        env={"UCX_NET_DEVICES": "lo"},  # NIXL over UCX on loopback, as tests/test_transfer.py
         worker_class=GroupsWorker,
         role=role,
         backend_name=backend_name,
@@ -282,8 +283,7 @@ def spawn(role: str, backend_name: str, block_size: int, seed: int) -> Any:
 
 @pytest.fixture(params=["CPU_ATTN", "FLASH_ATTN"])
 def pair(request: pytest.FixtureRequest) -> Any:
-    if find_spec("nixl") is None and not os.environ.get("KVPUSH_REQUIRE_NIXL"):
-        pytest.skip("NIXL is not installed")
+    nixl_or_skip()
     block_size = 32
     p = spawn("prefill", request.param, block_size, seed=1)
     try:
