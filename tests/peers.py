@@ -288,7 +288,9 @@ def enter_netns(name: str) -> None:
     check(libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None), "mount sysfs")
 
 
-def _serve(connection: Connection, kwargs: dict[str, Any], env: dict[str, str]) -> None:
+def _serve(
+    connection: Connection, kwargs: dict[str, Any], env: dict[str, str], worker_class: type
+) -> None:
     """A worker process: runs commands from the pipe until "close"."""
     import os
 
@@ -296,7 +298,7 @@ def _serve(connection: Connection, kwargs: dict[str, Any], env: dict[str, str]) 
     try:
         if env.get(NETNS_ENV):
             enter_netns(env[NETNS_ENV])
-        worker = Worker(**kwargs)
+        worker = worker_class(**kwargs)
         connection.send(("ok", worker.address()))
     except BaseException:
         connection.send(("error", traceback.format_exc()))
@@ -313,12 +315,17 @@ def _serve(connection: Connection, kwargs: dict[str, Any], env: dict[str, str]) 
 
 
 class RemoteWorker:
-    """A :class:`Worker` in its own process (spawned: nothing inherited), same commands."""
+    """A :class:`Worker` in its own process (spawned: nothing inherited), same commands; or
+    another ``worker_class`` (defined at a module's top level, with an ``address()``)."""
 
-    def __init__(self, env: dict[str, str] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, env: dict[str, str] | None = None, worker_class: Any = Worker, **kwargs: Any
+    ) -> None:
         context = mp.get_context("spawn")
         self._connection, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, kwargs, env or {}), daemon=True)
+        self._process = context.Process(
+            target=_serve, args=(child, kwargs, env or {}, worker_class), daemon=True
+        )
         self._process.start()
         self._address = self._reply(timeout=60.0)
 

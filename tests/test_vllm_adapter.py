@@ -7,7 +7,9 @@ import ctypes
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 import kvpush
 from kvpush.exceptions import KvPushError, LayoutError
 from kvpush.vllm import _stats, _worker
-from kvpush.vllm._layout import Model, TensorView, layout_from_caches
+from kvpush.vllm._layout import CacheGroups, Model, TensorView, layout_from_caches, views_by_group
 from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import THREAD_CPUS_ENV, PushWorker, WorkerConfig
 
@@ -146,6 +148,104 @@ def test_scheduler_keeps_p_blocks_until_the_send_is_reported() -> None:
     assert not sched.has_pending_work()
     assert sched.finished("p-2", dict(params), False, [[4]], 10) == (False, None)
     assert sched.take_metadata().aborts == [("p-2", "xfer-2")]
+
+
+class FullAttentionSpec:
+    """Stand-ins named as vLLM's spec classes (``vllm/v1/kv_cache_interface.py``): the groups
+    are read by class name and attributes, without importing vLLM."""
+
+    sliding_window: int | None = None
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+
+class AttentionSpec(FullAttentionSpec):
+    pass
+
+
+class SlidingWindowSpec(AttentionSpec):
+    sliding_window = 40
+
+
+class MambaSpec:
+    block_size = 4096
+
+
+def groups_config(*specs: object) -> SimpleNamespace:
+    return SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(layer_names=[f"layers.{i}"], kv_cache_spec=spec)
+            for i, spec in enumerate(specs)
+        ]
+    )
+
+
+def test_p_and_d_list_a_sliding_window_group_from_its_window_on() -> None:
+    groups = CacheGroups.from_vllm(groups_config(SlidingWindowSpec(32), AttentionSpec(32)))
+    assert groups.windowed == (True, False)
+    # P: 150 tokens, blocks 0-2 of the window group freed (vLLM's null block 0 in their place).
+    p_sched = PushScheduler(groups=groups)
+    p_sched.finished("p", {"do_remote_decode": True}, True, [[0, 0, 0, 7, 8], [1, 2, 3, 4, 5]], 150)
+    (send,) = p_sched.take_metadata().sends
+    assert send.blocks == ((7, 8), (1, 2, 3, 4, 5))
+    assert send.first_tokens == (96, 0)
+    # D: no null blocks in its lists; the window group's blocks are the prompt's last two.
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9}
+    d_sched = PushScheduler(groups=groups)
+    d_sched.allocated("d", dict(params), [[11, 12], [13, 14, 15, 16, 17]], 0, 150, 150)
+    (recv,) = d_sched.take_metadata().recvs
+    assert recv.blocks == ((11, 12), (13, 14, 15, 16, 17))
+    assert recv.first_tokens == (96, 0)
+    # D's prefix hit of one block: both groups start after it while it is in the window.
+    d_sched.allocated("d2", dict(params), [[21, 22, 23], [24, 25, 26]], 32, 100, 68)
+    assert d_sched.take_metadata().recvs[0].first_tokens == (32, 32)
+
+
+def test_mamba_state_and_mixed_block_sizes_are_refused_with_the_reason() -> None:
+    with pytest.raises(LayoutError, match=r"group 0 \(MambaSpec.*Mamba/SSM state layers"):
+        CacheGroups.from_vllm(groups_config(MambaSpec(), AttentionSpec(128)))
+    with pytest.raises(LayoutError, match="different block sizes"):
+        CacheGroups.from_vllm(groups_config(SlidingWindowSpec(16), AttentionSpec(32)))
+    with pytest.raises(LayoutError, match="hold no attention KV blocks"):
+        CacheGroups.from_vllm(groups_config(object()))
+
+
+class Tensor:
+    """What the connector reads of a torch tensor (``TensorView.of``), over a numpy array."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array, self.shape = array, array.shape
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    def element_size(self) -> int:
+        return int(self.array.itemsize)
+
+
+def test_each_layer_region_carries_its_group() -> None:
+    groups = CacheGroups.from_vllm(groups_config(SlidingWindowSpec(32), AttentionSpec(32)))
+    shared, own = (Tensor(a) for a in cpu_caches(2, 8, 32, seed=None))
+    # vLLM's hybrid manager gives layer 0 (window) and layer 1 (full) one tensor.
+    views, group_of = views_by_group({"layers.0": shared, "layers.1": shared}, groups)
+    assert group_of == [0, 1]
+    model = Model(HEADS, HEAD, 32, groups=groups)
+    cache = layout_from_caches(views, model, group_of)
+    assert [(r.base, r.group) for r in cache.layout.regions] == [
+        (shared.data_ptr(), 0),
+        (shared.data_ptr(), 1),
+    ]
+    assert cache.windowed
+    # Aliases within one group count once; layers of no moved group are left out.
+    one_group = CacheGroups.from_vllm(groups_config(AttentionSpec(32)))
+    one_group = replace(one_group, layers={"layers.0": 0, "alias": 0})
+    views, group_of = views_by_group({"layers.0": shared, "x": own, "alias": shared}, one_group)
+    assert [v.data_ptr for v in views] == [shared.data_ptr()]
+    assert group_of == [0]
 
 
 def worker(engine: str, caches: list[np.ndarray], block_size: int, port: int) -> PushWorker:

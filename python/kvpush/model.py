@@ -4,9 +4,15 @@ Nothing can be downloaded from a model hub on the machines kvpush is tested on, 
 make their own model: a Hugging Face config with random weights saved with ``save_pretrained``,
 and a byte-level BPE tokenizer trained with ``tokenizers`` on generated text, saved as a
 ``PreTrainedTokenizerFast`` with a ChatML chat template. vLLM serves the directory like any
-other checkpoint. Two kinds:
+other checkpoint. Two makers:
 
-* :func:`make_tiny_model`: Qwen3 (grouped-query attention: K and V per KV head);
+* :func:`make_tiny_model`, of three architectures (``architecture``): ``qwen3``, every layer
+  full attention (one KV cache group in vLLM); ``gemma3``, whose layers alternate sliding-window
+  and full attention (``layer_types``), which vLLM's hybrid KV cache manager keeps as two KV
+  cache groups, the sliding-window one holding only the blocks of the last ``sliding_window``
+  tokens; ``nemotron_h``, a hybrid of Mamba-2 (SSM state), attention and MLP layers in turn,
+  whose Mamba group holds one state per request (vLLM CPU serves it with
+  ``--no-enable-prefix-caching``);
 * :func:`make_tiny_mla_model`: DeepSeek-V3 (multi-head latent attention: one 576-wide latent
   per token and layer, the same on every tensor parallel rank), dense layers only. Its latent
   keeps DeepSeek's kv_lora_rank 512 + qk_rope_head_dim 64, the only size vLLM's CPU MLA decode
@@ -51,6 +57,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 MAX_POSITIONS = 32768
+ARCHITECTURES = ("qwen3", "gemma3", "nemotron_h")
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,10 @@ class TinyModelSpec:
     initializer_range: float
     train_text_sha256: str
     generator_version: int = GENERATOR_VERSION
+    architecture: str = "qwen3"
+    #: gemma3: tokens a sliding-window layer attends to; every other layer (from the first) is
+    #: a sliding-window layer, the rest full attention.
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -132,8 +143,14 @@ def make_tiny_model(
     vocab_train_text: str | None = None,
     seed: int = 0,
     initializer_range: float = 0.1,
+    architecture: str = "qwen3",
+    sliding_window: int = 256,
 ) -> Path:
-    """Make (or reuse) a random-weight Qwen3 checkpoint with its tokenizer at ``path``.
+    """Make (or reuse) a random-weight checkpoint with its tokenizer at ``path``.
+
+    ``architecture`` is ``qwen3`` (full attention), ``gemma3`` (layers alternate
+    ``sliding_window``-token sliding-window and full attention; ``sliding_window`` is ignored
+    otherwise) or ``nemotron_h`` (Mamba-2, attention and MLP layers in turn).
 
     ``vocab_train_text`` is the BPE training corpus; by default :func:`generated_text` of
     ``seed``. ``bpe_vocab`` is the BPE trainer's target; the model's vocabulary is the trained
@@ -153,7 +170,13 @@ def make_tiny_model(
         seed=seed,
         initializer_range=initializer_range,
         train_text_sha256=hashlib.sha256(text.encode()).hexdigest(),
+        architecture=architecture,
+        sliding_window=sliding_window if architecture == "gemma3" else None,
     )
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r}: expected one of {ARCHITECTURES}")
+    if architecture in ("gemma3", "nemotron_h") and layers < 2:
+        raise ValueError(f"a {architecture} model needs 2 layers or more (two kinds of layer)")
     if heads % kv_heads != 0:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     return _materialise(Path(path), spec, text)
@@ -294,21 +317,62 @@ def _write_model(directory: Path, spec: Spec, text: str) -> None:
         )
         model_class = transformers.DeepseekV3ForCausalLM
     else:
-        config = transformers.Qwen3Config(
-            hidden_size=spec.hidden,
-            intermediate_size=spec.intermediate,
-            num_hidden_layers=spec.layers,
-            num_attention_heads=spec.heads,
-            num_key_value_heads=spec.kv_heads,
-            head_dim=spec.head_dim,
-            tie_word_embeddings=True,
-            **shared,
-        )
-        model_class = transformers.Qwen3ForCausalLM
+        config, model_class = _attention_config(transformers, spec, shared)
     torch.manual_seed(spec.seed)
     model = model_class(config)
+    if isinstance(spec, TinyModelSpec) and spec.architecture == "gemma3":
+        # Gemma multiplies the embeddings by sqrt(hidden): with random weights that residual
+        # drowns what attention adds, and the greedy output ignores the context (one token
+        # repeated whatever the prompt). Scaled back, a changed prompt token changes it.
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(spec.hidden**-0.5)
     model.save_pretrained(directory, safe_serialization=True)
     (directory / MANIFEST).write_text(json.dumps(asdict(spec), indent=2) + "\n")
+
+
+def _attention_config(
+    transformers: ModuleType, spec: TinyModelSpec, shared: dict[str, Any]
+) -> tuple[Any, Any]:
+    """The config and model class of :func:`make_tiny_model`'s architectures."""
+    common = {
+        **shared,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "tie_word_embeddings": True,
+    }
+    if spec.architecture == "gemma3":
+        layer_types = [
+            "sliding_attention" if layer % 2 == 0 else "full_attention"
+            for layer in range(spec.layers)
+        ]
+        config = transformers.Gemma3TextConfig(
+            **common,
+            sliding_window=spec.sliding_window,
+            layer_types=layer_types,
+            query_pre_attn_scalar=spec.head_dim,
+        )
+        config.architectures = ["Gemma3ForCausalLM"]
+        return config, transformers.Gemma3ForCausalLM
+    if spec.architecture == "nemotron_h":
+        kinds = ("mamba", "attention", "mlp")
+        expand = 2
+        config = transformers.NemotronHConfig(
+            **common,
+            layers_block_type=[kinds[layer % 3] for layer in range(spec.layers)],
+            ssm_state_size=16,
+            mamba_num_heads=expand * spec.hidden // spec.head_dim,
+            mamba_head_dim=spec.head_dim,
+            n_groups=1,
+            expand=expand,
+            chunk_size=128,
+        )
+        config.architectures = ["NemotronHForCausalLM"]
+        return config, transformers.NemotronHForCausalLM
+    return transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
 
 
 def _write_tokenizer(directory: Path, bpe_vocab: int, text: str) -> Any:
@@ -347,21 +411,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kvpush model make",
         description=(
-            "Make (or reuse) a random-weight Qwen3 model, or with --mla a DeepSeek-V3 (MLA) "
-            "model, and its tokenizer in PATH."
+            "Make (or reuse) a random-weight model (--architecture), or with --mla a "
+            "DeepSeek-V3 (MLA) model, and its tokenizer in PATH."
         ),
     )
     parser.add_argument("path", type=Path, metavar="PATH")
     parser.add_argument(
         "--mla",
         action="store_true",
-        help="DeepSeek-V3 multi-head latent attention (kv_lora_rank 512, rope 64) instead of Qwen3",
+        help="DeepSeek-V3 multi-head latent attention (kv_lora_rank 512, rope 64)",
     )
+    parser.add_argument("--architecture", choices=ARCHITECTURES, default="qwen3")
+    parser.add_argument("--sliding-window", type=int, default=256, help="gemma3 only")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2, help="Qwen3 only")
-    parser.add_argument("--head-dim", type=int, default=64, help="Qwen3 only")
+    parser.add_argument("--kv-heads", type=int, default=2, help="not with --mla")
+    parser.add_argument("--head-dim", type=int, default=64, help="not with --mla")
     parser.add_argument("--bpe-vocab", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--initializer-range", type=float, default=0.1)
@@ -379,7 +445,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = make_tiny_mla_model(args.path, **common)
         else:
             path = make_tiny_model(
-                args.path, kv_heads=args.kv_heads, head_dim=args.head_dim, **common
+                args.path,
+                kv_heads=args.kv_heads,
+                head_dim=args.head_dim,
+                architecture=args.architecture,
+                sliding_window=args.sliding_window,
+                **common,
             )
     except (FileExistsError, ImportError, ValueError) as exc:
         print(f"kvpush model make: {exc}", file=sys.stderr)

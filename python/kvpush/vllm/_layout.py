@@ -30,6 +30,16 @@ and refuses, naming the layout, a tensor that does not follow it. Then:
   CPU attention's heads are still whole slabs side by side (``[H][N][C]``, K transposed only
   inside a head's slab), so its whole blocks are sliced by head between tensor parallel sizes.
 
+**KV cache groups.** vLLM's hybrid KV cache manager keeps layers of different attention types
+(sliding-window and full attention, as Gemma 2/3 alternate them) as KV cache groups, each with
+its own block table over one shared pool: a layer of each group may even share one tensor,
+whose blocks the groups' tables hand out disjointly. :class:`CacheGroups` reads the groups from
+vLLM's ``KVCacheConfig``; every layer's region carries its group (``Region.group``), so the
+planner addresses it with that group's block ids. A sliding-window group's table holds vLLM's
+null block (id 0) in place of the blocks before the window, so only its blocks from the window
+on are listed and moved, on both sides (:func:`window_start`). Groups that hold no per-token KV,
+such as Mamba's SSM state, are refused at startup.
+
 **Older vLLM** gave no layout; :class:`Model` without one falls back to the shapes it used (the
 CPU shape above, FlashAttention's ``[2, B, N, H, D]``, FlashInfer's ``[B, 2, N, H, D]``).
 
@@ -39,8 +49,8 @@ needs neither torch nor vLLM and is tested without them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 import kvpush
@@ -139,6 +149,8 @@ class Model:
     #: The model's KV heads over all ranks (``get_total_num_kv_heads``); None: ``kv_heads`` *
     #: ``tp_size``. Fewer than that means vLLM replicates heads across ranks.
     total_kv_heads: int | None = None
+    #: vLLM's KV cache groups (None: one group, every layer).
+    groups: CacheGroups | None = None
 
     @property
     def worker_index(self) -> int:
@@ -147,9 +159,17 @@ class Model:
         return self.pp_rank * self.tp_size + self.tp_rank
 
     @classmethod
-    def from_vllm(cls, vllm_config: object, tp_rank: int, pp_rank: int = 0) -> Model:
+    def from_vllm(
+        cls,
+        vllm_config: object,
+        tp_rank: int,
+        pp_rank: int = 0,
+        kv_cache_config: object | None = None,
+    ) -> Model:
         """From a worker's ``VllmConfig`` once the layout is resolved (the connector's
-        construction, ``initialize_from_config``). Duck-typed: this module imports no vLLM."""
+        construction, ``initialize_from_config``), and the ``KVCacheConfig`` vLLM gives the
+        connector (its groups; refused here, at startup, if kvpush cannot move them).
+        Duck-typed: this module imports no vLLM."""
         cfg = vllm_config
         model = cfg.model_config  # type: ignore[attr-defined]
         parallel = cfg.parallel_config  # type: ignore[attr-defined]
@@ -173,7 +193,145 @@ class Model:
             pp_rank=pp_rank,
             pp_size=int(getattr(parallel, "pipeline_parallel_size", 1)),
             total_kv_heads=_total_kv_heads(model),
+            groups=None if kv_cache_config is None else CacheGroups.from_vllm(kv_cache_config),
         )
+
+
+#: vLLM's null block: the placeholder a group's block table holds for blocks it freed (a
+#: sliding window's tokens before the window); ``BlockPool`` reserves block 0 for it.
+NULL_BLOCK = 0
+
+#: KV cache specs (class names in ``vllm/v1/kv_cache_interface.py``, subclasses included) whose
+#: caches kvpush cannot move, and why.
+REFUSED_SPECS = {
+    "MambaSpec": (
+        "Mamba/SSM state layers (hybrid Mamba/attention models) keep one running state per "
+        "request instead of per-token KV blocks, which kvpush's connector does not move"
+    ),
+    "CrossAttentionSpec": "cross-attention layers (encoder-decoder models) are not moved",
+    "EncoderOnlyAttentionSpec": "encoder-only attention layers hold no KV to move",
+    "CircularBufferSpec": "circular-buffer layers reuse one block per request as a ring",
+}
+
+
+def _spec_names(spec: object) -> list[str]:
+    return [cls.__name__ for cls in type(spec).__mro__]
+
+
+def _layer_specs(spec: object) -> list[object]:
+    """A group's per-layer specs (``UniformTypeKVCacheSpecs`` wraps one per layer)."""
+    inner = getattr(spec, "kv_cache_specs", None)
+    return list(inner.values()) if isinstance(inner, Mapping) else [spec]
+
+
+@dataclass(frozen=True)
+class CacheGroups:
+    """vLLM's KV cache groups as kvpush moves them: the groups that take part in KV transfer
+    (``KVCacheGroupSpec.enable_kv_transfer``), numbered 0.. in vLLM's order (kvpush's
+    ``Region.group``), and which of them drop the blocks before a window."""
+
+    #: Indices into ``kv_cache_groups`` of the groups kvpush moves, in kvpush's group order.
+    transfer_ids: tuple[int, ...] = (0,)
+    #: ``len(kv_cache_groups)``: how many block lists vLLM hands over per request.
+    total: int = 1
+    #: Tokens per block, the same in every moved group.
+    block_size: int = 16
+    #: Per moved group: whether its blocks before a window are vLLM's null block (sliding
+    #: window, chunked local attention).
+    windowed: tuple[bool, ...] = (False,)
+    #: Layer name to its moved group; layers of other groups are absent.
+    layers: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_vllm(cls, kv_cache_config: object) -> CacheGroups:
+        """From vLLM's ``KVCacheConfig`` (duck-typed); refuses, with the reason, what kvpush
+        cannot move (:class:`LayoutError`)."""
+        groups = list(kv_cache_config.kv_cache_groups)  # type: ignore[attr-defined]
+        if not groups:
+            raise LayoutError("vLLM's KV cache config has no KV cache groups")
+        transfer_ids: list[int] = []
+        windowed: list[bool] = []
+        block_sizes: dict[int, list[int]] = {}
+        layers: dict[str, int] = {}
+        for index, group in enumerate(groups):
+            specs = _layer_specs(group.kv_cache_spec)
+            for spec in specs:
+                names = _spec_names(spec)
+                refused = next((why for name, why in REFUSED_SPECS.items() if name in names), None)
+                if refused is None and "AttentionSpec" not in names:
+                    refused = f"{names[0]} layers hold no attention KV blocks kvpush knows"
+                if refused is not None:
+                    layers_named = ", ".join(group.layer_names[:3])
+                    if len(group.layer_names) > 3:
+                        layers_named += ", ..."
+                    raise LayoutError(
+                        f"KV cache group {index} ({names[0]}, layers {layers_named}): "
+                        f"{refused}; serve this model without disaggregation, or with vLLM's "
+                        "NixlConnector"
+                    )
+            if not getattr(group, "enable_kv_transfer", True):
+                continue
+            moved = len(transfer_ids)
+            transfer_ids.append(index)
+            windowed.append(
+                any(
+                    getattr(spec, "sliding_window", None) is not None
+                    or getattr(spec, "attention_chunk_size", None) is not None
+                    for spec in specs
+                )
+            )
+            block_sizes.setdefault(int(group.kv_cache_spec.block_size), []).append(index)
+            layers.update((name, moved) for name in group.layer_names)
+        if not transfer_ids:
+            raise LayoutError("vLLM marked no KV cache group for transfer")
+        if len(block_sizes) > 1:
+            raise LayoutError(
+                "KV cache groups of different block sizes (tokens: groups "
+                f"{dict(sorted(block_sizes.items()))}): kvpush moves one block size per worker"
+            )
+        (block_size,) = block_sizes
+        return cls(tuple(transfer_ids), len(groups), block_size, tuple(windowed), layers)
+
+    @property
+    def any_windowed(self) -> bool:
+        return any(self.windowed)
+
+    def select(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+        """The moved groups' lists of the lists vLLM hands over (one per KV cache group)."""
+        if len(block_ids) != self.total:
+            raise LayoutError(
+                f"vLLM handed {len(block_ids)} block lists for {self.total} KV cache groups"
+            )
+        return tuple(tuple(block_ids[index]) for index in self.transfer_ids)
+
+
+def views_by_group(
+    kv_caches: Mapping[str, object], groups: CacheGroups | None
+) -> tuple[list[TensorView], list[int]]:
+    """The tensors vLLM registers with the connector (layer name to tensor, in layer order) as
+    :func:`layout_from_caches` takes them: distinct ``(tensor, group)`` pairs and their groups.
+
+    Layers of one group that share a cache (aliases) count once, but the hybrid manager's layers
+    of different groups that share a tensor each address it with their own group's blocks, so
+    each is a region. Layers of groups that take no part in transfer are left out.
+    """
+    seen: dict[tuple[int, int], TensorView] = {}
+    for name, tensor in kv_caches.items():
+        group = 0 if groups is None else groups.layers.get(name)
+        if group is None:
+            continue
+        view = TensorView.of(tensor)
+        seen.setdefault((view.data_ptr, group), view)
+    return list(seen.values()), [group for _, group in seen]
+
+
+def window_start(blocks: Sequence[int], block_size: int) -> tuple[int, tuple[int, ...]]:
+    """P: a group's blocks of a finished prompt without the null blocks vLLM left for the
+    tokens before a sliding window, and the first token of the first one kept."""
+    skipped = 0
+    while skipped < len(blocks) and blocks[skipped] == NULL_BLOCK:
+        skipped += 1
+    return skipped * block_size, tuple(blocks[skipped:])
 
 
 def _total_kv_heads(model_config: object) -> int | None:
@@ -250,6 +408,9 @@ class CacheLayout:
     slices_heads: bool = False
     #: Why blocks are opaque, for the startup log; None when tokens move one by one.
     opaque_because: str | None = None
+    #: A group drops the blocks before a window: P lists its blocks from the first block its
+    #: window keeps, which starts at D's first listed token only with equal block sizes.
+    windowed: bool = False
 
     def tokens_to_write(self, num_tokens: int) -> int:
         """Tokens to ask the planner for: whole blocks when blocks are opaque. The slots past
@@ -265,21 +426,36 @@ class CacheLayout:
         terms = []
         if self.whole_blocks:
             terms.append(f"whole-blocks-of-{self.layout.block_tokens}")
+        elif self.windowed:
+            terms.append(f"windowed-blocks-of-{self.layout.block_tokens}")
         if not self.slices_heads:
             terms.append(f"tp-{self.layout.tp_size}")
         return "|".join(terms)
 
 
-def layout_from_caches(views: Sequence[TensorView], model: Model) -> CacheLayout:
-    """The layout of one worker's KV caches (one view per layer, in layer order)."""
+def layout_from_caches(
+    views: Sequence[TensorView], model: Model, groups: Sequence[int] | None = None
+) -> CacheLayout:
+    """The layout of one worker's KV caches (one view per layer, in layer order); ``groups``
+    names each view's KV cache group as :class:`CacheGroups` numbers them (default: all 0)."""
     if not views:
         raise LayoutError("vLLM registered no KV cache tensors with the connector")
+    if groups is None:
+        groups = [0] * len(views)
+    if len(groups) != len(views):
+        raise LayoutError(f"{len(groups)} KV cache groups named for {len(views)} tensors")
     if model.kv_cache_layout is not None:
-        return _from_kv_cache_layout(views, model, model.kv_cache_layout)
-    return _from_shapes(views, model)
+        cache = _from_kv_cache_layout(views, model, model.kv_cache_layout, groups)
+    else:
+        cache = _from_shapes(views, model, groups)
+    if model.groups is not None and model.groups.any_windowed:
+        cache = replace(cache, windowed=True)
+    return cache
 
 
-def _from_kv_cache_layout(views: Sequence[TensorView], model: Model, name: str) -> CacheLayout:
+def _from_kv_cache_layout(
+    views: Sequence[TensorView], model: Model, name: str, groups: Sequence[int]
+) -> CacheLayout:
     order = KV_CACHE_LAYOUTS.get(name)
     if order is None:
         raise LayoutError(
@@ -292,7 +468,8 @@ def _from_kv_cache_layout(views: Sequence[TensorView], model: Model, name: str) 
     if len(geometry) > 1:
         raise LayoutError(
             f"KV cache layout {name}: layers of different [H, N, C] {sorted(geometry)}; kvpush "
-            "moves one attention spec per worker (hybrid models with several are not supported)"
+            "moves KV cache groups of one geometry (head count, head size, block size and "
+            "dtype) per worker"
         )
     for v in views:
         _check_view(v, name, view_order)
@@ -314,13 +491,13 @@ def _from_kv_cache_layout(views: Sequence[TensorView], model: Model, name: str) 
     for v in views:
         _check_dense(v, name, inner if heads_in_block else (_N, _C))
     regions: list[kvpush.Region] = []
-    for v in views:
+    for v, group in zip(views, groups, strict=True):
         block_stride = v.stride[_B] * e
         if heads_in_block:
-            regions.append(kvpush.Region(v.data_ptr, block_stride, v.shape[_B]))
+            regions.append(kvpush.Region(v.data_ptr, block_stride, v.shape[_B], group))
         else:
             regions.extend(
-                kvpush.Region(v.data_ptr + h * v.stride[_H] * e, block_stride, v.shape[_B])
+                kvpush.Region(v.data_ptr + h * v.stride[_H] * e, block_stride, v.shape[_B], group)
                 for h in range(heads)
             )
     whole_blocks = opaque_because is not None
@@ -426,7 +603,7 @@ def _merged_spans(views: Sequence[TensorView]) -> tuple[tuple[int, int], ...]:
     return tuple(spans)
 
 
-def _from_shapes(views: Sequence[TensorView], model: Model) -> CacheLayout:
+def _from_shapes(views: Sequence[TensorView], model: Model, groups: Sequence[int]) -> CacheLayout:
     """vLLM before 0.28: recognise the tensors by shape."""
     regions: list[kvpush.Region] = []
     shapes = {_classify(v, model) for v in views}
@@ -434,17 +611,17 @@ def _from_shapes(views: Sequence[TensorView], model: Model) -> CacheLayout:
         raise LayoutError(f"KV cache tensors of different shapes: {sorted(shapes)}")
     (kind,) = shapes
     e = views[0].element_size
-    for v in views:
+    for v, group in zip(views, groups, strict=True):
         if kind == "cpu":
-            regions.append(kvpush.Region(v.data_ptr, v.stride[0] * e, v.shape[0]))
+            regions.append(kvpush.Region(v.data_ptr, v.stride[0] * e, v.shape[0], group))
         elif kind in ("flash_nhd", "flash_hnd"):
             for half in range(2):
                 base = v.data_ptr + half * v.stride[0] * e
-                regions.append(kvpush.Region(base, v.stride[1] * e, v.shape[1]))
+                regions.append(kvpush.Region(base, v.stride[1] * e, v.shape[1], group))
         else:  # flashinfer
             for half in range(2):
                 base = v.data_ptr + half * v.stride[1] * e
-                regions.append(kvpush.Region(base, v.stride[0] * e, v.shape[0]))
+                regions.append(kvpush.Region(base, v.stride[0] * e, v.shape[0], group))
     if kind == "cpu":
         # Each head's [block_size][2D] slab is whole and apart, its tokens scrambled: whole
         # blocks, split by head (as the layout-aware reader does).

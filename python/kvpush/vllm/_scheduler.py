@@ -9,6 +9,11 @@ it. What crosses from the scheduler to the workers each step is a :class:`PushMe
 * D: ``recvs``: blocks allocated for a remote prefill, to register with P; ``cancels``: a
   request aborted while waiting for its KV.
 
+Block lists are per KV cache group, for the groups kvpush moves (:class:`CacheGroups`), each
+with the token its first block starts at: D lists its uncached blocks, P its computed ones, and
+a sliding-window group on either side only its blocks from the window on (vLLM's table holds the
+null block before it), so P and D name the same tokens of every group.
+
 kv_transfer_params are vLLM's push-proxy contract (``do_remote_prefill``, ``do_remote_decode``,
 ``remote_engine_id``, ``remote_host``, ``remote_port``, ``tp_size``, ``pp_size``,
 ``remote_request_id``, ``transfer_id``), so an unchanged push router drives kvpush.
@@ -21,6 +26,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvpush.vllm._layout import CacheGroups, window_start
 
 REQUIRED_D_PARAMS = ("remote_host", "remote_port")
 
@@ -35,6 +42,9 @@ class SendRequest:
     transfer_id: str | None
     blocks: tuple[tuple[int, ...], ...]
     num_tokens: int
+    #: Per group, the token its first listed block starts at (past a sliding window's null
+    #: blocks); empty: 0 for every group.
+    first_tokens: tuple[int, ...] = ()
     #: Unix time the scheduler saw the prefill finish: the worker's ``ready`` follows when the
     #: next step's metadata reaches it (before that step's forward), and the timeline shows
     #: that wait.
@@ -53,6 +63,10 @@ class RecvRequest:
     blocks: tuple[tuple[int, ...], ...]
     first_token: int
     num_tokens: int
+    #: Per group, the token its first listed block starts at: ``first_token``, or later for a
+    #: sliding-window group whose blocks before the window vLLM never allocated; empty:
+    #: ``first_token`` for every group.
+    first_tokens: tuple[int, ...] = ()
     #: Unix time the scheduler allocated D's blocks (the registration leaves when this step's
     #: metadata reaches the worker, before the forward).
     decided_at: float = field(default_factory=time.time)
@@ -117,7 +131,11 @@ class PushScheduler:
     """Per-request decisions of the scheduler role (P and D alike: a ``kv_both`` engine is
     both)."""
 
-    def __init__(self, identity: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, identity: Mapping[str, Any] | None = None, groups: CacheGroups | None = None
+    ) -> None:
+        #: The KV cache groups vLLM hands block lists for (None: one group, all of the cache).
+        self._groups = groups
         #: P's identity, returned with every finished prefill's kv_transfer_params (engine id,
         #: side-channel host and base port, TP and PP sizes): a router that learns P from its
         #: answer (llm-d's push dispatch) forwards them to D, which needs nothing else.
@@ -174,6 +192,7 @@ class PushScheduler:
         assert not isinstance(source, str), f"request {request_id}: {source}"
         params["do_remote_prefill"] = False
         self._receiving.add(request_id)
+        blocks = self._moved(uncached_blocks)
         self._pending.recvs.append(
             RecvRequest(
                 request_id=request_id,
@@ -181,11 +200,37 @@ class PushScheduler:
                 remote_host=source.host,
                 remote_port=source.port,
                 remote_tp_size=source.tp_size,
-                blocks=tuple(tuple(group) for group in uncached_blocks),
+                blocks=blocks,
                 first_token=num_computed,
                 num_tokens=prompt_tokens,
+                first_tokens=self._uncached_starts(blocks, num_computed, prompt_tokens),
             )
         )
+
+    def _moved(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+        if self._groups is None:
+            return tuple(tuple(group) for group in block_ids)
+        return self._groups.select(block_ids)
+
+    def _uncached_starts(
+        self, blocks: tuple[tuple[int, ...], ...], num_computed: int, prompt_tokens: int
+    ) -> tuple[int, ...]:
+        """D: the first token of each group's uncached blocks. vLLM lists a group's blocks for
+        ``[num_computed, prompt)``, except that a sliding-window group lacks those before its
+        window (null blocks, left out of the list): its blocks are the prompt's last ones."""
+        groups = self._groups
+        if groups is None:
+            return (num_computed,) * len(blocks)
+        size = groups.block_size
+        starts = []
+        for windowed, group in zip(groups.windowed, blocks, strict=True):
+            whole = -(-(prompt_tokens - num_computed) // size)
+            if windowed and len(group) < whole:
+                # A count that fits neither case is left to the planner, which refuses it.
+                starts.append((-(-prompt_tokens // size) - len(group)) * size)
+            else:
+                starts.append(num_computed)
+        return tuple(starts)
 
     # ---- P, and D's aborts ----------------------------------------------------------------
 
@@ -212,12 +257,22 @@ class PushScheduler:
             self._pending.aborts.append((request_id, transfer_id))
             return False, None
         self._sending.add(request_id)
+        moved = self._moved(blocks)
+        if self._groups is None:
+            first_tokens: tuple[int, ...] = ()
+        else:
+            # vLLM's null block stands for the blocks a sliding window dropped: never sent (any
+            # group: a null block is never KV), the group's list starts after them.
+            starts = [window_start(group, self._groups.block_size) for group in moved]
+            first_tokens = tuple(start for start, _ in starts)
+            moved = tuple(kept for _, kept in starts)
         self._pending.sends.append(
             SendRequest(
                 request_id=request_id,
                 transfer_id=transfer_id,
-                blocks=tuple(tuple(group) for group in blocks),
+                blocks=moved,
                 num_tokens=prompt_tokens,
+                first_tokens=first_tokens,
             )
         )
         return True, {

@@ -149,9 +149,10 @@ class PushWorker:
             raise KvPushError("the connector's KV caches are not registered yet")
         return self._endpoint
 
-    def register(self, views: Sequence[TensorView]) -> None:
-        """Starts the endpoint over the KV cache tensors (one per layer, in layer order)."""
-        cache = layout_from_caches(views, self._model)
+    def register(self, views: Sequence[TensorView], groups: Sequence[int] | None = None) -> None:
+        """Starts the endpoint over the KV cache tensors (one per layer, in layer order), each
+        in the KV cache group ``groups`` names (default: one group)."""
+        cache = layout_from_caches(views, self._model, groups)
         layout = cache.layout
         self._cache = cache
         if cache.opaque_because is not None:
@@ -226,6 +227,7 @@ class PushWorker:
                     [list(group) for group in send.blocks],
                     self._cache.tokens_to_write(send.num_tokens),
                     transfer_id=send.transfer_id,
+                    first_tokens=list(send.first_tokens) or None,
                     ttl=self._config.ttl,
                 )
             except KvPushError as error:
@@ -255,7 +257,7 @@ class PushWorker:
             [list(group) for group in recv.blocks],
             self._cache.tokens_to_write(recv.num_tokens),
             transfer_id=recv.transfer_id,
-            first_tokens=[recv.first_token] * len(recv.blocks),
+            first_tokens=list(recv.first_tokens) or [recv.first_token] * len(recv.blocks),
             ttl=self._config.receive_timeout,
             share=sources.share,
         )

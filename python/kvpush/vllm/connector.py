@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpush.vllm import _stats
-from kvpush.vllm._layout import Model, TensorView
+from kvpush.vllm._layout import CacheGroups, Model, views_by_group
 from kvpush.vllm._scheduler import PushMetadata, PushScheduler
 from kvpush.vllm._worker import PushWorker, WorkerConfig
 
@@ -223,19 +223,25 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         self._scheduler: PushScheduler | None = None
         self._worker: PushWorker | None = None
+        # Both roles read vLLM's KV cache groups and refuse here, at startup, a model whose
+        # groups kvpush cannot move (Mamba/SSM state), never one request at a time.
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = PushScheduler(_identity(vllm_config))
+            groups = None if kv_cache_config is None else CacheGroups.from_vllm(kv_cache_config)
+            self._scheduler = PushScheduler(_identity(vllm_config), groups)
             return
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-        # The KV cache layout vLLM resolved, its attention backends and MLA: what the layout
-        # reader needs to read the views instead of guessing from their shapes.
-        self._worker = PushWorker(
-            _worker_config(vllm_config),
-            Model.from_vllm(
-                vllm_config, get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
-            ),
+        # The KV cache layout vLLM resolved, its attention backends, MLA and the KV cache
+        # groups: what the layout reader needs to read the views instead of guessing from their
+        # shapes.
+        model = Model.from_vllm(
+            vllm_config,
+            get_tensor_model_parallel_rank(),
+            get_pp_group().rank_in_group,
+            kv_cache_config,
         )
+        self._groups = model.groups
+        self._worker = PushWorker(_worker_config(vllm_config), model)
 
     # ---- class-level configuration --------------------------------------------------------
 
@@ -330,12 +336,7 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        # Distinct tensors in layer order; layers that share one cache (aliases) count once.
-        seen: dict[int, TensorView] = {}
-        for tensor in kv_caches.values():
-            view = TensorView.of(tensor)
-            seen.setdefault(view.data_ptr, view)
-        self._work.register(list(seen.values()))
+        self._work.register(*views_by_group(kv_caches, self._groups))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Act on the step's instructions here, before the forward pass, not in start_load_kv:

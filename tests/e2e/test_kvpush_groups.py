@@ -1,0 +1,183 @@
+"""Several KV cache groups on real vLLM servers: a tiny Gemma 3 whose layers alternate
+sliding-window and full attention, which vLLM's hybrid KV cache manager keeps as two KV cache
+groups (its log: ``kv cache group sizes (128, 128)``).
+
+* D's greedy continuation equals a plain single server's (token ids, and log-probabilities
+  within 1e-3) for prompts shorter and much longer than the sliding window, sequentially and
+  concurrently;
+* every prompt token reached D from P (``source="p2p"``);
+* P wrote exactly the blocks the groups hold: every block of the prompt for the full-attention
+  layers, and for the sliding-window layers only the blocks from the one holding the window's
+  first token on (vLLM frees the others and lists its null block for them; D never allocates
+  them). The bytes P reports are those counts times the layers times a block's bytes.
+
+The model's window (200 tokens) is not a multiple of the block size (128), so the first block
+kept is a partial one of the window.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.servers import metric_value
+from tests.e2e.harness import VllmServer, running
+from tests.e2e.test_kvpush_pair import Pair, assert_same, kvpush_config
+from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM not installed: run scripts/setup-vllm VENV and use its python",
+    ),
+]
+
+WINDOW = 200
+BLOCK = 128
+LAYERS = 4  # sliding-window, full, sliding-window, full
+KV_HEADS, HEAD_DIM, FLOAT32 = 2, 64, 4
+SEQUENTIAL = (150, 300, 1000, 2100)
+CONCURRENT = (700, 900, 1300)
+PREFILL_ENGINE_ID = "kvpush-e2e-groups-prefill"
+
+
+def blocks_moved(prompt_tokens: int) -> tuple[int, int]:
+    """(full-attention blocks, sliding-window blocks) of one prompt, as vLLM keeps them: the
+    sliding-window group drops the blocks wholly before the window of the next token
+    (``SlidingWindowManager.get_num_skipped_tokens``)."""
+    full = -(-prompt_tokens // BLOCK)
+    skipped = max(0, prompt_tokens - WINDOW + 1) // BLOCK
+    return full, full - skipped
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvpush.model import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("model") / "tiny-gemma3",
+        architecture="gemma3",
+        layers=LAYERS,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        sliding_window=WINDOW,
+    )
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model: Path) -> dict[int, list[int]]:
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    return {n: prompt_token_ids(n, vocab, seed=n) for n in SEQUENTIAL + CONCURRENT}
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("logs")
+    yield path
+    print(f"server logs: {path}")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path, prompts: dict[int, list[int]], logs: Path) -> dict[int, Any]:
+    """What a plain single server answers, before the pair starts."""
+    single = VllmServer("single", tiny_model, logs, cpu="0", extra_args=["--block-size", "128"])
+    with running(single):
+        return {
+            n: single.post("/v1/completions", greedy_body(tiny_model, p))
+            for n, p in prompts.items()
+        }
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
+    from kvpush.proxy import PrefillInstance, ProxyServer
+
+    secret = secrets.token_hex(16)
+    prefill = VllmServer(
+        "prefill",
+        tiny_model,
+        logs,
+        cpu="0",
+        kv_transfer_config={
+            **kvpush_config("kv_producer", secret),
+            "engine_id": PREFILL_ENGINE_ID,
+        },
+        extra_args=["--block-size", str(BLOCK)],
+    )
+    decode = VllmServer(
+        "decode",
+        tiny_model,
+        logs,
+        cpu="1",
+        kv_transfer_config=kvpush_config("kv_consumer", secret),
+        extra_args=["--no-enable-prefix-caching", "--block-size", str(BLOCK)],
+    )
+    with running(prefill, decode):
+        proxy = ProxyServer(
+            prefill=[
+                PrefillInstance(
+                    prefill.url, PREFILL_ENGINE_ID, "127.0.0.1", prefill.side_channel_port
+                )
+            ],
+            decode=[decode.url],
+            host="127.0.0.1",
+            port=0,
+        )
+        proxy.start()
+        try:
+            yield Pair(prefill, decode, proxy)
+        finally:
+            proxy.stop()
+
+
+def test_vllm_keeps_the_model_as_two_kv_cache_groups(pair: Pair) -> None:
+    for server in (pair.prefill, pair.decode):
+        log = server.log_path.read_text(errors="replace")
+        assert "kv cache group sizes (128, 128)" in log, f"{server.name}: not two groups"
+
+
+def test_sequential_requests_match_a_single_server(
+    pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
+) -> None:
+    for n in SEQUENTIAL:
+        assert_same(n, pair.complete(greedy_body(tiny_model, prompts[n])), reference[n])
+
+
+def test_concurrent_requests_match_a_single_server(
+    pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
+) -> None:
+    with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
+        futures = {
+            n: pool.submit(pair.complete, greedy_body(tiny_model, prompts[n])) for n in CONCURRENT
+        }
+        for n, future in futures.items():
+            assert_same(n, future.result(), reference[n])
+
+
+def test_every_prompt_token_came_from_p_in_exactly_the_groups_blocks(pair: Pair) -> None:
+    metrics = pair.decode.metrics()
+    prompt_tokens = metric_value(metrics, "vllm:prompt_tokens_total")
+    from_p2p = metric_value(metrics, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+    print(f"D: prompt tokens {prompt_tokens:.0f}, from p2p {from_p2p:.0f}")
+    assert prompt_tokens == sum(SEQUENTIAL) + sum(CONCURRENT)
+    assert from_p2p == prompt_tokens, "D computed part of a prompt instead of receiving it"
+
+    block_bytes = KV_HEADS * BLOCK * 2 * HEAD_DIM * FLOAT32  # K and V of one layer's block
+    full_layers = sliding_layers = LAYERS // 2
+    expected = sum(
+        (full * full_layers + sliding * sliding_layers) * block_bytes
+        for full, sliding in map(blocks_moved, SEQUENTIAL + CONCURRENT)
+    )
+    every_block = sum(blocks_moved(n)[0] * LAYERS * block_bytes for n in SEQUENTIAL + CONCURRENT)
+    sent = metric_value(pair.prefill.metrics(), "vllm:kvpush_bytes_sum")
+    print(f"P wrote {sent:.0f} bytes; the groups' blocks {expected}; every block {every_block}")
+    assert sent == expected
+    assert metric_value(pair.decode.metrics(), "vllm:kvpush_failures_total") == 0
