@@ -554,3 +554,63 @@ def test_ps_answer_names_p_so_that_a_router_can_forward_it_to_d_unchanged() -> N
     (recv,) = d_sched.take_metadata().recvs
     assert (recv.remote_host, recv.remote_port, recv.remote_tp_size) == ("10.0.0.7", 5600, 2)
     assert recv.transfer_id == "xfer-9"
+
+
+class EndpointSpy:
+    """The worker's endpoint, recording how each report collected its events."""
+
+    def __init__(self, endpoint: Any) -> None:
+        self._endpoint = endpoint
+        self.calls: list[tuple[str, float]] = []
+
+    def poll(self) -> list[Any]:
+        self.calls.append(("poll", 0.0))
+        return list(self._endpoint.poll())
+
+    def wait(self, timeout: float) -> list[Any]:
+        self.calls.append(("wait", timeout))
+        return list(self._endpoint.wait(timeout))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._endpoint, name)
+
+
+def test_a_step_that_computes_nothing_waits_for_the_transfer_instead_of_spinning() -> None:
+    from kvpush.vllm._scheduler import PushMetadata
+    from kvpush.vllm._worker import IDLE_STEP_WAIT
+
+    p_caches, d_caches = cpu_caches(2, 16, 32, seed=3), cpu_caches(2, 16, 32, seed=None)
+    p, d = worker("prefill-idle", p_caches, 32, 0), worker("decode-idle", d_caches, 32, 0)
+    spy = EndpointSpy(d.endpoint)
+    d._endpoint = spy  # type: ignore[assignment]
+    try:
+        # Nothing outstanding: an idle step returns at once.
+        d.apply(PushMetadata(idle=True))
+        d.take_finished()
+        assert spy.calls == [("poll", 0.0)]
+        d_sched, p_sched = PushScheduler(), PushScheduler()
+        p_port = int(p.endpoint.address.rsplit(":", 1)[1])
+        d_sched.allocated("d-idle", {**D_PARAMS, "remote_port": p_port}, [[6, 3]], 0, 40, 40)
+        d.apply(d_sched.take_metadata())  # a step that computes something: no wait
+        d.take_finished()
+        assert spy.calls[-1] == ("poll", 0.0)
+        spy.calls.clear()
+        p_sched.finished("p-idle", {"do_remote_decode": True, "transfer_id": "xfer-1"},
+                         True, [[3, 8]], 40)  # fmt: skip
+        p.apply(p_sched.take_metadata())
+        received: set[str] = set()
+        deadline = time.monotonic() + 10.0
+        while not received and time.monotonic() < deadline:
+            d.apply(PushMetadata(idle=True))
+            received |= d.take_finished()[1]
+            # The step's second report (vLLM asks for results and stats) does not wait again.
+            d.take_stats()
+            p.take_finished()
+        assert received == {"d-idle"}
+        waits = [call for call in spy.calls if call[0] == "wait"]
+        assert waits, "idle steps with a receive outstanding wait for its event"
+        assert all(timeout == IDLE_STEP_WAIT for _, timeout in waits)
+        assert len(waits) <= len(spy.calls) // 2, "one wait per step at most"
+    finally:
+        p.close()
+        d.close()

@@ -80,6 +80,9 @@ class PushMetadata:
     aborts: list[tuple[str, str | None]] = field(default_factory=list)
     recvs: list[RecvRequest] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    #: The step computes nothing (every request waits for its KV, or for P to finish sending):
+    #: the workers may wait for transfer events instead of letting the engine spin.
+    idle: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.sends or self.aborts or self.recvs or self.cancels)

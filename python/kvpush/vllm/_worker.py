@@ -90,6 +90,10 @@ def _threads_born_on(cpus: set[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, previous)
 
 
+#: How long a worker's report in a step that computes nothing may wait for a transfer event (s).
+IDLE_STEP_WAIT = 0.002
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything a worker's endpoint needs that is not in the KV tensors."""
@@ -139,6 +143,8 @@ class PushWorker:
         self._timeline: IO[str] | None = None
         self._decided: dict[str, float] = {}
         self._stats = _stats.empty()
+        #: This step computes nothing: the next report may wait for an event (see `apply`).
+        self._idle_step = False
         #: Unix time of the endpoint clock's zero, taken once while the worker is quiet: two
         #: clock reads on a busy machine can be tens of ms apart, which would skew timelines.
         self._clock_offset = 0.0
@@ -219,6 +225,7 @@ class PushWorker:
         request is reported finished (and failed) so vLLM frees or recomputes it."""
         endpoint = self.endpoint
         assert self._cache is not None
+        self._idle_step = metadata.idle
         for send in metadata.sends:
             self._decided[send.request_id] = send.decided_at
             try:
@@ -233,6 +240,7 @@ class PushWorker:
             except KvPushError as error:
                 # D cancelled or gave up first: nothing will be written, free the blocks now.
                 logger.info("kvpush: request %s not sent: %s", send.request_id, error)
+                self._decided.pop(send.request_id, None)
                 self._finished_sending.add(send.request_id)
         for request_id, transfer_id in metadata.aborts:
             endpoint.abort(request_id, transfer_id)
@@ -294,10 +302,12 @@ class PushWorker:
         self._timeline.write(json.dumps(line) + "\n")
         self._timeline.flush()
 
-    def poll(self) -> None:
-        """Collects the endpoint's events into the sets vLLM asks for."""
+    def poll(self, wait: float = 0.0) -> None:
+        """Collects the endpoint's events into the sets vLLM asks for, waiting up to ``wait``
+        seconds for the first one."""
         offset = self._clock_offset
-        for event in self.endpoint.poll():
+        events = self.endpoint.wait(wait) if wait > 0 else self.endpoint.poll()
+        for event in events:
             decided = self._decided.pop(event.request_id, None)
             self._record(event, decided, offset)
             _stats.observe(self._stats, event, decided, offset)
@@ -325,11 +335,22 @@ class PushWorker:
                 self._fail_recv(event.request_id, sorted(blocks), event.reason or event.outcome)
 
     def take_finished(self) -> tuple[set[str], set[str], set[str]]:
-        """Sends finished, receives finished (failed ones included), receives failed."""
-        self.poll()
+        """Sends finished, receives finished (failed ones included), receives failed.
+
+        In a step that computes nothing while transfers are outstanding, waits up to
+        :data:`IDLE_STEP_WAIT` for the next of them to end: vLLM's engine loop steps without
+        pause while a request waits for its KV, and would otherwise spin a core (on P, while
+        the KV is sent) that the transfer itself may need. An event ends the wait at once.
+        """
+        idle = self._idle_step and bool(self._decided) and not self._has_finished()
+        self._idle_step = False
+        self.poll(IDLE_STEP_WAIT if idle else 0.0)
         out = (self._finished_sending, self._finished_recving, self._failed_recving)
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
         return out
+
+    def _has_finished(self) -> bool:
+        return bool(self._finished_sending or self._finished_recving)
 
     def take_stats(self) -> dict[str, object] | None:
         """Transfer statistics since the last call (None when nothing happened)."""

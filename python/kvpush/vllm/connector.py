@@ -284,7 +284,9 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KvPushMetadata(self._sched.take_metadata())
+        metadata = self._sched.take_metadata()
+        metadata.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return KvPushMetadata(metadata)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched.transfers_finished(
