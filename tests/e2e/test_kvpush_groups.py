@@ -28,8 +28,14 @@ from typing import Any
 import pytest
 
 from kvpush.servers import metric_value
-from tests.e2e.harness import VllmServer, running
-from tests.e2e.test_kvpush_pair import Pair, assert_same, kvpush_config
+from tests.e2e.harness import VllmServer
+from tests.e2e.test_kvpush_pair import (
+    Pair,
+    assert_same,
+    behind_proxy,
+    kvpush_config,
+    single_answers,
+)
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
 
 pytestmark = [
@@ -89,16 +95,11 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def reference(tiny_model: Path, prompts: dict[int, list[int]], logs: Path) -> dict[int, Any]:
     """What a plain single server answers, before the pair starts."""
     single = VllmServer("single", tiny_model, logs, cpu="0", extra_args=["--block-size", "128"])
-    with running(single):
-        return {
-            n: single.post("/v1/completions", greedy_body(tiny_model, p))
-            for n, p in prompts.items()
-        }
+    return single_answers(single, tiny_model, prompts)
 
 
 @pytest.fixture(scope="module")
 def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
-    from kvpush.proxy import PrefillInstance, ProxyServer
 
     secret = secrets.token_hex(16)
     prefill = VllmServer(
@@ -120,22 +121,8 @@ def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pa
         kv_transfer_config=kvpush_config("kv_consumer", secret),
         extra_args=["--no-enable-prefix-caching", "--block-size", str(BLOCK)],
     )
-    with running(prefill, decode):
-        proxy = ProxyServer(
-            prefill=[
-                PrefillInstance(
-                    prefill.url, PREFILL_ENGINE_ID, "127.0.0.1", prefill.side_channel_port
-                )
-            ],
-            decode=[decode.url],
-            host="127.0.0.1",
-            port=0,
-        )
-        proxy.start()
-        try:
-            yield Pair(prefill, decode, proxy)
-        finally:
-            proxy.stop()
+    with behind_proxy(prefill, decode, PREFILL_ENGINE_ID) as pair:
+        yield pair
 
 
 def test_vllm_keeps_the_model_as_two_kv_cache_groups(pair: Pair) -> None:

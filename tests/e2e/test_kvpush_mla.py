@@ -38,9 +38,16 @@ from typing import Any
 
 import pytest
 
-from kvpush.servers import HOST, metric_value
-from tests.e2e.harness import VllmServer, completion_logprobs, running
-from tests.e2e.test_kvpush_pair import Pair, assert_concurrent, assert_same, kvpush_config
+from kvpush.servers import metric_value
+from tests.e2e.harness import VllmServer, completion_logprobs
+from tests.e2e.test_kvpush_pair import (
+    Pair,
+    assert_concurrent,
+    assert_same,
+    behind_proxy,
+    kvpush_config,
+    single_answers,
+)
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
 
 pytestmark = [
@@ -83,15 +90,11 @@ def prompts(mla_model: Path) -> dict[int, list[int]]:
 def reference(mla_model: Path, prompts: dict[int, list[int]], logs: Path) -> dict[int, Any]:
     """What a plain single server answers, before the pair starts."""
     single = VllmServer("single", mla_model, logs, cpu="0", extra_args=MLA_ARGS)
-    with running(single):
-        return {
-            n: single.post("/v1/completions", greedy_body(mla_model, p)) for n, p in prompts.items()
-        }
+    return single_answers(single, mla_model, prompts)
 
 
 @pytest.fixture(scope="module")
 def pair(mla_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
-    from kvpush.proxy import PrefillInstance, ProxyServer
 
     secret = secrets.token_hex(16)
     prefill = VllmServer(
@@ -113,20 +116,8 @@ def pair(mla_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pai
         kv_transfer_config=kvpush_config("kv_consumer", secret),
         extra_args=[*MLA_ARGS, "--no-enable-prefix-caching"],
     )
-    with running(prefill, decode):
-        proxy = ProxyServer(
-            prefill=[
-                PrefillInstance(prefill.url, PREFILL_ENGINE_ID, HOST, prefill.side_channel_port)
-            ],
-            decode=[decode.url],
-            host="127.0.0.1",
-            port=0,
-        )
-        proxy.start()
-        try:
-            yield Pair(prefill, decode, proxy)
-        finally:
-            proxy.stop()
+    with behind_proxy(prefill, decode, PREFILL_ENGINE_ID) as pair:
+        yield pair
 
 
 def test_both_servers_run_cpu_mla_in_16_token_blocks(pair: Pair) -> None:

@@ -17,6 +17,7 @@ so at most two servers share the two cores.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import http.client
 import importlib.util
 import json
@@ -73,11 +74,7 @@ def prompts(tiny_model: Path) -> dict[int, list[int]]:
 def reference(tiny_model: Path, prompts: dict[int, list[int]], logs: Path) -> dict[int, Any]:
     """What a plain single server answers, before the pair starts."""
     single = VllmServer("single", tiny_model, logs, cpu="0")
-    with running(single):
-        return {
-            n: single.post("/v1/completions", greedy_body(tiny_model, p))
-            for n, p in prompts.items()
-        }
+    return single_answers(single, tiny_model, prompts)
 
 
 class Pair:
@@ -99,9 +96,41 @@ class Pair:
             connection.close()
 
 
+@contextlib.contextmanager
+def behind_proxy(
+    prefill: VllmServer,
+    decode: VllmServer,
+    engine_id: str,
+    *,
+    tp: int = 1,
+    timeout_s: float = 300.0,
+) -> Iterator[Pair]:
+    """Starts P (engine ``engine_id``, ``tp`` ranks) and D with ``kvpush proxy`` in front of
+    them, and always stops all three."""
+    from kvpush.proxy import PrefillInstance, ProxyServer
+
+    with running(prefill, decode, timeout_s=timeout_s):
+        instance = PrefillInstance(prefill.url, engine_id, HOST, prefill.side_channel_port, tp=tp)
+        proxy = ProxyServer(prefill=[instance], decode=[decode.url], host="127.0.0.1", port=0)
+        proxy.start()
+        try:
+            yield Pair(prefill, decode, proxy)
+        finally:
+            proxy.stop()
+
+
+def single_answers(
+    single: VllmServer, model: Path, prompts: dict[int, list[int]]
+) -> dict[int, Any]:
+    """What a plain single server answers to each prompt (greedy), started and stopped here."""
+    with running(single):
+        return {
+            n: single.post("/v1/completions", greedy_body(model, p)) for n, p in prompts.items()
+        }
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
-    from kvpush.proxy import PrefillInstance, ProxyServer
 
     secret = secrets.token_hex(16)
     prefill = VllmServer(
@@ -123,20 +152,8 @@ def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pa
         kv_transfer_config=kvpush_config("kv_consumer", secret),
         extra_args=["--no-enable-prefix-caching", "--block-size", str(D_BLOCK)],
     )
-    with running(prefill, decode):
-        proxy = ProxyServer(
-            prefill=[
-                PrefillInstance(prefill.url, PREFILL_ENGINE_ID, HOST, prefill.side_channel_port)
-            ],
-            decode=[decode.url],
-            host="127.0.0.1",
-            port=0,
-        )
-        proxy.start()
-        try:
-            yield Pair(prefill, decode, proxy)
-        finally:
-            proxy.stop()
+    with behind_proxy(prefill, decode, PREFILL_ENGINE_ID) as pair:
+        yield pair
 
 
 def assert_same(n: int, got: Any, want: Any) -> None:

@@ -26,11 +26,16 @@ from typing import Any
 
 import pytest
 
-from kvpush.proxy import PrefillInstance, ProxyServer
-from kvpush.servers import HOST, metric_value
-from tests.e2e.harness import VllmServer, running
-from tests.e2e.test_kvpush_pair import Pair, assert_sequential, kvpush_config
-from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
+from kvpush.servers import metric_value
+from tests.e2e.harness import VllmServer
+from tests.e2e.test_kvpush_pair import (
+    Pair,
+    assert_sequential,
+    behind_proxy,
+    kvpush_config,
+    single_answers,
+)
+from tests.e2e.test_upstream_smoke import prompt_token_ids
 
 pytestmark = [
     pytest.mark.e2e,
@@ -77,11 +82,7 @@ def prompts(tiny_model: Path) -> dict[int, list[int]]:
 def reference(tiny_model: Path, prompts: dict[int, list[int]], logs: Path) -> dict[int, Any]:
     """What a plain single server (tensor parallel size 1) answers, before the pair starts."""
     single = VllmServer("single", tiny_model, logs, cpu="0", extra_args=["--block-size", BLOCK])
-    with running(single):
-        return {
-            n: single.post("/v1/completions", greedy_body(tiny_model, p))
-            for n, p in prompts.items()
-        }
+    return single_answers(single, tiny_model, prompts)
 
 
 @pytest.fixture(scope="module")
@@ -106,22 +107,8 @@ def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pa
         kv_transfer_config=config("kv_consumer", secret),
         extra_args=["--no-enable-prefix-caching", "--block-size", BLOCK],
     )
-    with running(prefill, decode, timeout_s=420.0):
-        proxy = ProxyServer(
-            prefill=[
-                PrefillInstance(
-                    prefill.url, PREFILL_ENGINE_ID, HOST, prefill.side_channel_port, tp=2
-                )
-            ],
-            decode=[decode.url],
-            host="127.0.0.1",
-            port=0,
-        )
-        proxy.start()
-        try:
-            yield Pair(prefill, decode, proxy)
-        finally:
-            proxy.stop()
+    with behind_proxy(prefill, decode, PREFILL_ENGINE_ID, tp=2, timeout_s=420.0) as pair:
+        yield pair
 
 
 def test_sequential_requests_match_a_single_server(
