@@ -614,3 +614,22 @@ def test_a_step_that_computes_nothing_waits_for_the_transfer_instead_of_spinning
     finally:
         p.close()
         d.close()
+
+
+def test_a_steps_idleness_survives_vllm_binding_then_starting_it() -> None:
+    # vLLM hands the connector each step's metadata twice (bind_connector_metadata, then
+    # start_load_kv, in the no-forward path too): the second hand-over carries no instructions,
+    # but the step is still idle, or the worker's report would never wait.
+    pytest.importorskip("vllm")
+    from kvpush.vllm._scheduler import PushMetadata
+    from kvpush.vllm.connector import KvPushMetadata
+
+    metadata = KvPushMetadata(PushMetadata(cancels=["d-req"], idle=True))
+    first, second = metadata.take(), metadata.take()
+    assert first.cancels == ["d-req"]
+    assert first.idle
+    assert not second, "the instructions are handed over once"
+    assert second.idle
+    busy = KvPushMetadata(PushMetadata())
+    assert not busy.take().idle
+    assert not busy.take().idle

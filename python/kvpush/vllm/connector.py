@@ -70,8 +70,9 @@ class KvPushMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.push = push
 
     def take(self) -> PushMetadata:
-        """The instructions, once: a second call (vLLM binds and starts each step) gets none."""
-        push, self.push = self.push, PushMetadata()
+        """The instructions, once: a second call (vLLM binds and starts each step) gets none,
+        but still says whether the step is idle, which is the step's, not an instruction."""
+        push, self.push = self.push, PushMetadata(idle=self.push.idle)
         return push
 
 
