@@ -117,6 +117,14 @@ def test_scheduler_registers_d_blocks_once_and_cancels_aborted_waits() -> None:
             {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "tp_size": 0},
             "tp_size",
         ),
+        (
+            {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "pp_size": 2},
+            "pp_size 2",
+        ),
+        (
+            {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "pp_size": "x"},
+            "integers",
+        ),
     ],
 )
 def test_bad_params_fall_back_to_a_local_prefill_of_that_request_alone(

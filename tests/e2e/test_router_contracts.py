@@ -261,6 +261,7 @@ LOCAL_PREFILL_CASES: tuple[tuple[str, JSON, str], ...] = (
         remote_prefill(remote_host=HOST, remote_port="{port}", tp_size="two"),
         "integers",
     ),
+    ("pp_size 2", remote_prefill(remote_host=HOST, remote_port="{port}", pp_size=2), "pp_size 2"),
     ("remote_port 70000", remote_prefill(remote_host=HOST, remote_port=70_000), "TCP port"),
     ("remote_host a list", remote_prefill(remote_host=[HOST], remote_port="{port}"), "host name"),
 )

@@ -116,12 +116,17 @@ def remote_source(params: Mapping[str, Any]) -> RemoteSource | str:
     try:
         port = int(params["remote_port"])
         tp_size = 1 if params.get("tp_size") is None else int(params["tp_size"])
+        pp_size = 1 if params.get("pp_size") is None else int(params["pp_size"])
     except (TypeError, ValueError) as error:
-        return f"remote_port and tp_size must be integers ({error})"
+        return f"remote_port, tp_size and pp_size must be integers ({error})"
     if not 0 < port < 65_536:
         return f"remote_port {port} is not a TCP port"
     if tp_size < 1:
         return f"tp_size {tp_size} must be at least 1"
+    if pp_size != 1:
+        # A kvpush P refuses pipeline stages at startup, so this P is not kvpush's or the
+        # router mixed up its fields: D would wait for stages that never write.
+        return f"pp_size {pp_size}: kvpush pairs with single-stage prefill engines only"
     return RemoteSource(host, port, tp_size)
 
 
