@@ -1,6 +1,8 @@
-"""``kvpush proxy`` against fake P and D servers (no vLLM): the legs each side receives, how
-D's answer reaches the client, what the client gets when a leg fails, that a failing leg or a
-client hanging up closes the other legs, and the bounds on bodies and connections.
+"""``kvpush proxy`` and the router core against fake P and D servers (no vLLM): the legs each
+side receives, how D's answer reaches the client, what the client gets when a leg fails, that a
+failing leg or a client hanging up closes the other legs, the bounds on bodies and connections,
+health checks, least-outstanding balancing, P's coordinates learned from its answer, pull mode,
+and the in-process client API (:func:`kvpush.router.complete`).
 
 The fakes are small ThreadingHTTPServers that record every request. Concurrency and
 streaming are proven with events, not clocks: the fake P answers only once the fake D holds
@@ -27,8 +29,8 @@ from typing import Any
 import pytest
 
 from kvpush import cli
-from kvpush import proxy as proxy_module
-from kvpush.proxy import MAX_BODY_BYTES, PrefillInstance, ProxyServer, Timeouts, parse_prefill
+from kvpush.proxy import PrefillInstance, ProxyServer, Timeouts, parse_prefill
+from kvpush.router import RouterThread, complete_once
 
 JSON = dict[str, Any]
 WAIT_S = 2.0
@@ -459,7 +461,14 @@ def test_health_and_models(fakes: Callable[[Respond], Fake]) -> None:
     with proxy([prefill_at(p)], [d.url for d in ds]) as server:
         assert call(server, "GET", "/health") == (
             200,
-            {"status": "ok", "prefill_instances": 1, "decode_instances": 3},
+            {
+                "status": "ok",
+                "mode": "push",
+                "prefill_instances": 1,
+                "decode_instances": 3,
+                "prefill_healthy": 1,
+                "decode_healthy": 3,
+            },
         )
         assert call(server, "GET", "/v1/models") == (200, models)
         status, payload = call(server, "GET", "/nowhere")
@@ -544,7 +553,7 @@ def test_unreachable_decode_is_a_502_naming_decode(fakes: Callable[[Respond], Fa
     assert status == 502
     error = payload["error"]
     assert (error["type"], error["leg"]) == ("kvpush_proxy_error", "decode")
-    assert "decode leg failed: ConnectionRefusedError" in error["message"]
+    assert "decode leg failed: cannot connect: ConnectionRefusedError" in error["message"]
     assert d_url in error["message"]
     # P's leg was aborted: never sent, or closed before P answered.
     assert p.received == [] or prefill_closed.wait(WAIT_S), "P's leg outlived D's failure"
@@ -617,7 +626,7 @@ def _decode_hangs_up(handler: FakeHandler, _received: Received) -> None:
     ("decode_fails", "client_status", "in_message"),
     [
         (_decode_refuses, 500, "decode exploded"),
-        (_decode_hangs_up, 502, "decode leg failed: RemoteDisconnected"),
+        (_decode_hangs_up, 502, "decode leg failed: ServerDisconnectedError"),
     ],
     ids=["error-status", "hangs-up"],
 )
@@ -689,54 +698,58 @@ def test_client_hanging_up_while_the_legs_run_aborts_both(
 @pytest.mark.parametrize(
     ("headers", "body", "status", "reason"),
     [
-        ("Transfer-Encoding: chunked\r\n", b"-1\r\n{}\r\n", 400, "invalid chunk size b'-1'"),
-        ("Transfer-Encoding: chunked\r\n", b"+2\r\n{}\r\n", 400, "invalid chunk size b'+2'"),
-        ("Transfer-Encoding: chunked\r\n", b"0x2\r\n{}\r\n", 400, "invalid chunk size b'0x2'"),
-        ("Transfer-Encoding: chunked\r\n", b"1_0\r\n{}\r\n", 400, "invalid chunk size b'1_0'"),
-        ("Transfer-Encoding: chunked\r\n", b"zz\r\n{}\r\n", 400, "invalid chunk size b'zz'"),
-        ("Transfer-Encoding: chunked\r\n", b"\r\n{}\r\n", 400, "invalid chunk size b''"),
-        ("Transfer-Encoding: chunked\r\n", b"2;" + b"x" * 2000, 400, "over 1024 bytes"),
-        ("Transfer-Encoding: chunked\r\n", b"2\r\n{}}\r\n0\r\n\r\n", 400, "longer than its"),
-        ("Transfer-Encoding: chunked\r\n", b"%x\r\n" % (MAX_BODY_BYTES + 1), 413, "limit"),
-        ("Transfer-Encoding: gzip\r\n", b"{}", 400, "does not end with chunked"),
+        # Framing aiohttp's parser refuses: the proxy answers its reason as a JSON error.
+        ("Transfer-Encoding: chunked\r\n", b"-1\r\n{}\r\n", 400, "chunk size"),
+        ("Transfer-Encoding: chunked\r\n", b"+2\r\n{}\r\n", 400, "chunk size"),
+        ("Transfer-Encoding: chunked\r\n", b"0x2\r\n{}\r\n", 400, "chunk size"),
+        ("Transfer-Encoding: chunked\r\n", b"1_0\r\n{}\r\n", 400, "chunk size"),
+        ("Transfer-Encoding: chunked\r\n", b"zz\r\n{}\r\n", 400, "chunk size"),
+        ("Transfer-Encoding: chunked\r\n", b"\r\n{}\r\n", 400, "chunk size"),
+        ("Transfer-Encoding: chunked\r\n", b"2\r\n{}}\r\n0\r\n\r\n", 400, "chunk"),
+        ("Transfer-Encoding: gzip\r\n", b"{}", 400, "Transfer-Encoding"),
+        ("Content-Length: 2\r\nTransfer-Encoding: chunked\r\n", b"{}", 400, "Content-Length"),
+        ("Content-Length: -1\r\n", b"{}", 400, "Content-Length"),
+        ("Content-Length: +2\r\n", b"{}", 400, "Content-Length"),
+        ("Content-Length: 1_0\r\n", b"{}", 400, "Content-Length"),
+        ("Content-Length: 2\r\nContent-Length: 3\r\n", b"{}", 400, "Content-Length"),
+        # What the proxy refuses itself.
         ("Transfer-Encoding: gzip, chunked\r\n", b"2\r\n{}\r\n0\r\n\r\n", 501, "only chunked"),
-        ("Content-Length: 2\r\nTransfer-Encoding: chunked\r\n", b"{}", 400, "both"),
-        (f"Content-Length: {MAX_BODY_BYTES + 1}\r\n", b"{}", 413, "over the limit"),
-        ("Content-Length: -1\r\n", b"{}", 400, "not a byte count"),
-        ("Content-Length: +2\r\n", b"{}", 400, "not a byte count"),
-        ("Content-Length: 1_0\r\n", b"{}", 400, "not a byte count"),
-        ("Content-Length: 2\r\nContent-Length: 3\r\n", b"{}", 400, "conflicting"),
-        ("", b"{}", 411, "no Content-Length and not chunked"),
+        ("Content-Length: 101\r\n", b"{}", 413, "101 bytes is over the limit of 100 bytes"),
+        ("", b"", 411, "no Content-Length and not chunked"),
     ],
 )
 def test_a_body_the_proxy_cannot_bound_is_refused_without_reading_it(
     fakes: Callable[[Respond], Fake], headers: str, body: bytes, status: int, reason: str
 ) -> None:
-    # The client keeps its connection open: a proxy that read such a body to EOF (as a chunk
-    # size of -1 once made it) would never answer.
+    # The client keeps its connection open: a proxy that read such a body to EOF would never
+    # answer.
     p, d = fakes(answer(200, {})), fakes(answer(200, {}))
-    with proxy([prefill_at(p)], [d.url]) as server:
+    with proxy([prefill_at(p)], [d.url], max_body_bytes=100) as server:
         response, sock = raw_request(server, post(headers, body))
         with sock:
             payload = json.loads(response.read())
             assert response.status == status, payload
+            assert payload["error"]["type"] == "kvpush_proxy_error"
             assert reason in payload["error"]["message"]
-            assert payload["error"]["message"].startswith("request body: ")
             # What is left of the body must not be read as the next request.
-            assert response.getheader("Connection") == "close"
+            assert response.will_close
             assert closed_by_proxy(sock)
     assert p.received == d.received == []
 
 
-def test_a_chunked_body_over_the_limit_in_total_is_a_413(
-    fakes: Callable[[Respond], Fake], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        b"".join(b"28\r\n%s\r\n" % (b" " * 40) for _ in range(3)),  # each under, total over
+        b"c8\r\n" + b" " * 200,  # one chunk over the limit, its bytes still coming
+    ],
+    ids=["in-total", "one-chunk"],
+)
+def test_a_chunked_body_over_the_limit_is_a_413(
+    fakes: Callable[[Respond], Fake], chunks: bytes
 ) -> None:
-    monkeypatch.setattr(proxy_module, "MAX_BODY_BYTES", 100)
     p, d = fakes(answer(200, {})), fakes(answer(200, {}))
-    chunk = b" " * 40
-    with proxy([prefill_at(p)], [d.url]) as server:
-        # Each chunk is under the limit; the third takes the total over it.
-        chunks = b"".join(b"28\r\n%s\r\n" % chunk for _ in range(3))
+    with proxy([prefill_at(p)], [d.url], max_body_bytes=100) as server:
         response, sock = raw_request(server, post("Transfer-Encoding: chunked\r\n", chunks))
         with sock:
             payload = json.loads(response.read())
@@ -766,7 +779,7 @@ def test_a_chunked_body_within_the_limit_reaches_both_legs(
     assert d.only().body["max_tokens"] == 4
 
 
-def test_connections_over_the_cap_get_a_prompt_503_and_no_thread(
+def test_connections_over_the_cap_get_a_prompt_503(
     fakes: Callable[[Respond], Fake],
 ) -> None:
     p, d = fakes(answer(200, {})), fakes(answer(200, {}))
@@ -784,11 +797,7 @@ def test_connections_over_the_cap_get_a_prompt_503_and_no_thread(
                 turned_away.append((response.status, response.getheader("Retry-After")))
                 assert "--max-connections" in payload["error"]["message"]
                 assert closed_by_proxy(sock)
-        connection_threads = [
-            t for t in threading.enumerate() if t.name.startswith(f"kvpush-proxy-{port}-conn-")
-        ]
         assert turned_away == [(503, "1")] * 5
-        assert len(connection_threads) == 2
 
         # A slot frees once the proxy sees a held connection close: new clients are served.
         held[0].close()
