@@ -315,17 +315,21 @@ class _Front:
         else:
             response.force_close()
         client_s = self.router.timeouts.client_s
-        await asyncio.wait_for(response.prepare(request), client_s)
         exchange.client_status = answer.status
         try:
+            await asyncio.wait_for(response.prepare(request), client_s)
             async for data in answer.chunks():
                 await asyncio.wait_for(response.write(data), client_s)
+            await asyncio.wait_for(response.write_eof(), client_s)
         except LegFailedError:
             # D's body broke off, or the proxy stopped: the client sees the cut (no final chunk).
-            if request.transport is not None:
-                request.transport.close()
-            return response
-        await asyncio.wait_for(response.write_eof(), client_s)
+            _close(request)
+        except ConnectionError:
+            exchange.abort("client hung up; both legs closed")
+            _close(request)
+        except asyncio.TimeoutError:
+            exchange.abort(f"client stalled over {client_s:g} s; both legs closed")
+            _close(request)
         return response
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -370,6 +374,11 @@ class _Front:
         except (ValueError, OSError) as error:
             raise _RefusedBodyError(400, f"{type(error).__name__}: {error}") from None
         return bytes(data)
+
+
+def _close(request: web.Request) -> None:
+    if request.transport is not None:
+        request.transport.close()
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:

@@ -19,7 +19,15 @@ from typing import Any
 
 from kvpush.router.balance import NoHealthyInstanceError
 from kvpush.router.core import Router
-from kvpush.router.exchange import DecodeAnswer, Exchange, Leg, LegFailedError, Mode, Timeouts
+from kvpush.router.exchange import (
+    DecodeAnswer,
+    Exchange,
+    Leg,
+    LegFailedError,
+    Mode,
+    RouterStoppingError,
+    Timeouts,
+)
 from kvpush.router.instances import PrefillInstance
 from kvpush.router.loop import LoopThread
 
@@ -172,6 +180,9 @@ async def complete(
                 completion._fail(leg, f"no answer within the request's deadline of {timeout_s:g} s")
             except LegFailedError as error:
                 completion._fail(error.leg, error.detail)
+            except RouterStoppingError:
+                leg = "decode" if exchange.prefill_s is not None else "prefill"
+                completion._fail(leg, "the router stopped")
             except ValueError as error:
                 completion._fail("decode", f"D's answer is not JSON: {error}")
         _take_legs(completion, exchange)

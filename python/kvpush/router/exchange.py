@@ -89,6 +89,8 @@ class RouterStoppingError(Exception):
 
 
 def _describe(error: BaseException, timeout_s: float) -> str:
+    if isinstance(error, aiohttp.ConnectionTimeoutError):
+        return "cannot connect: timed out"
     if isinstance(error, asyncio.TimeoutError):
         return f"no answer within {timeout_s:g} s"
     if isinstance(error, aiohttp.ClientConnectorError):
@@ -229,8 +231,11 @@ class Exchange:
         except asyncio.CancelledError:
             self.abort("client hung up; both legs closed")
             raise
+        except (LegFailedError, RouterStoppingError) as error:
+            self.abort(str(error))
+            raise
         except BaseException as error:
-            self.abort(str(error) if isinstance(error, LegFailedError) else "aborted")
+            self.abort(f"{type(error).__name__}: {error}")
             raise
 
     def decode_broke_off(self, detail: str) -> LegFailedError:
