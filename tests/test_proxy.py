@@ -994,6 +994,36 @@ def test_a_prefill_answer_without_its_identity_fails_the_request_without_asking_
     assert d.received == []
 
 
+def test_a_prefill_back_from_a_failed_health_check_has_its_coordinates_learned_again(
+    fakes: Callable[[Respond], Fake],
+) -> None:
+    alive = threading.Event()
+    alive.set()
+    port = [5700]  # P's side-channel port: a restarted P may come back on another
+
+    def prefill(handler: FakeHandler, received: Received) -> None:
+        if received.path == "/health":
+            handler.send_json(200 if alive.is_set() else 503, {})
+            return
+        params = {**IDENTITY, "remote_port": port[0]}
+        handler.send_json(200, {"choices": [], "kv_transfer_params": params})
+
+    def healthy_prefills(server: ProxyServer) -> int:
+        count: int = call(server, "GET", "/health")[1]["prefill_healthy"]
+        return count
+
+    p, d = fakes(prefill), fakes(answer(200, {"choices": [{"text": "d"}]}))
+    with proxy([PrefillInstance(p.url)], [d.url], health_interval_s=0.05) as server:
+        assert call(server, "POST", "/v1/completions", {"prompt": "before"})[0] == 200
+        alive.clear()
+        assert eventually(lambda: healthy_prefills(server) == 0)
+        port[0] = 5701
+        alive.set()
+        assert eventually(lambda: healthy_prefills(server) == 1)
+        assert call(server, "POST", "/v1/completions", {"prompt": "after"})[0] == 200
+    assert [r.params["remote_port"] for r in completions(d)] == [5700, 5701]
+
+
 def test_pull_mode_sends_decode_the_params_prefill_answered_after_its_answer(
     fakes: Callable[[Respond], Fake],
 ) -> None:

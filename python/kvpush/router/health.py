@@ -80,4 +80,7 @@ class HealthMonitor:
                     instance.url,
                     problem,
                 )
-        instance.healthy = healthy
+        if healthy:
+            instance.healthy = True
+        else:
+            instance.taken_out()

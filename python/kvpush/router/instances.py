@@ -185,8 +185,16 @@ class Instance:
         self.healthy = True
         self.outstanding = 0
         self.coordinates = prefill.configured() if prefill is not None else None
+        self.learns = prefill is not None and self.coordinates is None
         # Set while a first, serial request learns this P's coordinates: others wait for it.
         self.learning: asyncio.Future[None] | None = None
+
+    def taken_out(self) -> None:
+        """Failed a health check: coordinates learned from its answers are forgotten (a P
+        that comes back may be a new engine, on another side-channel port)."""
+        self.healthy = False
+        if self.learns:
+            self.coordinates = None
 
     def __repr__(self) -> str:
         state = "healthy" if self.healthy else "unhealthy"
