@@ -1219,6 +1219,11 @@ def test_cli_max_connections() -> None:
     assert parser.parse_args([*base, "--max-connections", "64"]).max_connections == 64
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--max-connections", "0"])
+    assert parser.parse_args(base).health_interval == 5.0
+    assert parser.parse_args([*base, "--health-interval", "0"]).health_interval == 0.0
+    assert parser.parse_args([*base, "--mode", "pull"]).mode == "pull"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--health-interval", "-1"])
     with pytest.raises(ValueError, match="max_connections=0"):
         ProxyServer(
             [PrefillInstance("http://p:1", "P", "p", 5600)],

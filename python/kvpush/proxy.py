@@ -598,6 +598,16 @@ def _positive_int_arg(flag: str) -> Callable[[str], int]:
     return parse
 
 
+def _interval_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"--health-interval {text!r}: expected seconds >= 0")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The proxy's options (shared by ``kvpush proxy`` and :func:`main`)."""
     defaults = Timeouts()
@@ -633,7 +643,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--health-interval",
-        type=float,
+        type=_interval_arg,
         default=HEALTH_INTERVAL_S,
         metavar="SECONDS",
         help=(
