@@ -1138,17 +1138,21 @@ def test_the_client_api_names_the_leg_that_failed(fakes: Callable[[Respond], Fak
     def hang(handler: FakeHandler, _received: Received) -> None:
         release.wait(WAIT_S * 2)
 
+    decode_closed = threading.Event()
     failing_p = fakes(answer(500, {"error": {"message": "boom"}}))
     good_p = fakes(answer(200, {"choices": []}))
     d = fakes(answer(200, {"choices": [{"text": "whole", "token_ids": [7]}]}))
+    # A D waiting for KV that P's failure means will never come.
+    waiting_d = fakes(holds_until_closed(decode_closed))
     stuck_d = fakes(hang)
     body = {"prompt": "x"}
     try:
         ok = complete_once(prefill_at(good_p), d.url, body, timeout_s=5)
-        p_failed = complete_once(prefill_at(failing_p), d.url, body, timeout_s=5)
+        p_failed = complete_once(prefill_at(failing_p), waiting_d.url, body, timeout_s=5)
         deadline = complete_once(prefill_at(good_p), stuck_d.url, body, timeout_s=0.5)
     finally:
         release.set()
+    assert decode_closed.wait(WAIT_S), "D's leg outlived P's failure"
     assert ok.ok, ok.error
     assert ok.response == {"choices": [{"text": "whole", "token_ids": [7]}]}
     assert (ok.text, ok.token_ids, ok.chunks) == ("whole", [7], 1)

@@ -260,8 +260,9 @@ class Exchange:
             self._answer.close()
 
     def stop(self) -> None:
-        """The router is stopping: a request whose answer is relaying is cut."""
-        if self._answer is not None:
+        """The router is stopping: a request whose answer is relaying is cut (one whose answer
+        is complete keeps its P leg while the router waits for it)."""
+        if self._answer is not None and self.decode_done_s is None:
             self.abort("proxy stopping")
 
     async def finish(self) -> None:
