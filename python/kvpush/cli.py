@@ -150,10 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="OpenAI-compatible router: both legs of each request to P and D at once",
         description=(
             "Serves /v1/completions and /v1/chat/completions (streaming too), /v1/models and "
-            "/health. Each request goes to a prefill server with max_tokens=1 and to a decode "
-            "server with the prefill server's coordinates, concurrently, with one X-Request-Id "
-            "and one transfer_id; D's answer is relayed to the client as it comes. Prefill and "
-            "decode servers are chosen round-robin. Logs one line per request."
+            "/health. Push mode: each request goes to a prefill server with max_tokens=1 and to "
+            "a decode server with the prefill server's coordinates (configured, or learned from "
+            "its first answer), concurrently, with one X-Request-Id and one transfer_id; pull "
+            "mode: prefill first, then decode with its kv_transfer_params. D's answer is relayed "
+            "to the client as it comes. Each leg goes to the healthy instance with the fewest "
+            "legs in flight. Logs one line per request."
         ),
     )
     proxy.add_arguments(proxy_command)

@@ -1,15 +1,16 @@
 """Real vLLM servers for end-to-end tests: start, wait, query, stop, clean up.
 
-Owns three things, all standard library only (the tests also run in a venv without vLLM,
-where they are skipped):
+Owns three things (the tests also run in a venv without vLLM, where they are skipped):
 
 * :class:`VllmServer`: one ``python -m vllm.entrypoints.openai.api_server`` subprocess with the
   settings this 2-core CPU machine needs (docs/vllm-cpu.md): fp32, eager, a 1 GiB KV cache,
   OpenMP pinned to one core, its own NIXL side-channel port, logs in a file, and on stop the
   whole process group ended and its ``/dev/shm`` leftovers removed.
-* The proxy legs of a disaggregated request: :func:`push_completion` sends the prefill (P) and
-  decode (D) legs concurrently the way vLLM's push demo proxy does;
-  :func:`pull_completion` sends P then D with P's returned ``kv_transfer_params``.
+* The legs of a disaggregated request, through kvpush's router core in-process
+  (:func:`kvpush.router.complete_once`, the same code as ``kvpush proxy``):
+  :func:`push_completion` sends the prefill (P) and decode (D) legs concurrently the way vLLM's
+  push demo proxy does; :func:`pull_completion` sends P then D with P's returned
+  ``kv_transfer_params``.
 * :meth:`VllmServer.metric`: Prometheus counters from ``/metrics``.
 
 Ports, process groups, ``/dev/shm`` clean-up and metrics parsing are :mod:`kvpush.servers`'
@@ -22,14 +23,12 @@ import contextlib
 import json
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvpush import servers
-from kvpush.bench.serving_client import PULL_PREFILL_PARAMS
-from kvpush.proxy import PrefillInstance, decode_body, prefill_body
+from kvpush.router import Completion, PrefillInstance, complete_once
 from kvpush.servers import (
     HOST,
     clean_shm,
@@ -161,16 +160,38 @@ class Disaggregated:
     decode_s: float
 
 
+#: How long one disaggregated request may take on this 2-core machine (both legs together).
+REQUEST_TIMEOUT_S = 300.0
+
+
+def _disaggregated(completion: Completion) -> Disaggregated:
+    """``completion`` as the tests read it; raises naming the leg that failed."""
+    if not completion.ok:
+        raise RuntimeError(
+            f"request {completion.request_id} (transfer {completion.transfer_id or '-'}): "
+            f"{completion.failed_leg} leg failed: {completion.error}"
+        )
+    assert completion.prefill_response is not None  # P answered, or the request failed
+    assert completion.response is not None  # not streamed: D's whole answer
+    assert completion.prefill_s is not None
+    assert completion.decode_s is not None
+    return Disaggregated(
+        completion.request_id,
+        completion.transfer_id,
+        completion.prefill_response,
+        completion.response,
+        completion.prefill_s,
+        completion.decode_s,
+    )
+
+
 def push_completion(prefill: PrefillEndpoint, decode: VllmServer, body: JSON) -> Disaggregated:
-    """One ``/v1/completions`` request through a push proxy (reference §2.2).
+    """One ``/v1/completions`` request through a push router (reference §2.2).
 
     Both legs go out concurrently with the same ``X-Request-Id`` and ``transfer_id``: P with
     ``max_tokens=1`` and ``do_remote_decode``; D with ``do_remote_prefill`` and P's
-    coordinates (no block ids: in push, D registers its blocks with P).
+    coordinates (no block ids: in push, D registers its blocks with P). Not streamed.
     """
-    request_id = str(uuid.uuid4())
-    transfer_id = str(uuid.uuid4())
-    headers = {"X-Request-Id": request_id}
     instance = PrefillInstance(
         prefill.server.url,
         prefill.engine_id,
@@ -179,63 +200,26 @@ def push_completion(prefill: PrefillEndpoint, decode: VllmServer, body: JSON) ->
         prefill.tp_size,
         prefill.pp_size,
     )
-    p_body = {**prefill_body(body, transfer_id), "stream": False}
-    d_body = {**decode_body(body, instance, request_id, transfer_id), "stream": False}
-    results: dict[str, JSON] = {}
-    seconds: dict[str, float] = {}
-    errors: dict[str, BaseException] = {}
-
-    def leg(name: str, server: VllmServer, leg_body: JSON) -> None:
-        start = time.monotonic()
-        try:
-            results[name] = server.post("/v1/completions", leg_body, headers=headers)
-        except BaseException as exc:
-            errors[name] = exc
-        seconds[name] = time.monotonic() - start
-
-    threads = [
-        threading.Thread(target=leg, args=("prefill", prefill.server, p_body), name="leg-P"),
-        threading.Thread(target=leg, args=("decode", decode, d_body), name="leg-D"),
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise RuntimeError(f"request {request_id} (transfer {transfer_id}): {errors}")
-    return Disaggregated(
-        request_id,
-        transfer_id,
-        results["prefill"],
-        results["decode"],
-        seconds["prefill"],
-        seconds["decode"],
+    completion = complete_once(
+        instance, decode.url, {**body, "stream": False}, timeout_s=REQUEST_TIMEOUT_S
     )
+    return _disaggregated(completion)
 
 
 def pull_completion(prefill: VllmServer, decode: VllmServer, body: JSON) -> Disaggregated:
-    """One ``/v1/completions`` request through a pull proxy (``NixlConnector``).
+    """One ``/v1/completions`` request through a pull router (``NixlConnector``).
 
     P first, with ``do_remote_decode`` and ``max_tokens=1``; its response's
     ``kv_transfer_params`` (engine id, block ids, host, port) go to D, which reads the KV.
     """
-    request_id = str(uuid.uuid4())
-    headers = {"X-Request-Id": request_id}
-    p_body = {**body, "max_tokens": 1, "stream": False}
-    p_body["kv_transfer_params"] = dict(PULL_PREFILL_PARAMS)
-    start = time.monotonic()
-    p_response = prefill.post("/v1/completions", p_body, headers=headers)
-    prefill_s = time.monotonic() - start
-    params = p_response.get("kv_transfer_params")
-    if not params:
-        raise RuntimeError(f"request {request_id}: P returned no kv_transfer_params: {p_response}")
-    d_body = dict(body)
-    d_body["stream"] = False
-    d_body["kv_transfer_params"] = params
-    start = time.monotonic()
-    d_response = decode.post("/v1/completions", d_body, headers=headers)
-    decode_s = time.monotonic() - start
-    return Disaggregated(request_id, "", p_response, d_response, prefill_s, decode_s)
+    completion = complete_once(
+        PrefillInstance(prefill.url),
+        decode.url,
+        {**body, "stream": False},
+        mode="pull",
+        timeout_s=REQUEST_TIMEOUT_S,
+    )
+    return _disaggregated(completion)
 
 
 def completion_token_ids(response: JSON) -> list[int]:
