@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import kvpush
-from tests.peers import RemoteWorker
+from kvpush_lab.peer import RemoteWorker
 
 LOOPBACK = "127.0.0.1"
 Direction = Literal["p_to_d", "d_to_p", "both"]

@@ -23,8 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush_lab.peer import CacheShape, RemoteWorker, Request
 from tests.faults import rss_bytes
-from tests.peers import CacheShape, RemoteWorker, Request
 
 SHAPE = CacheShape(layers=2, num_blocks=8192, block_tokens=16)
 SECRET = b"shared-secret-of-the-soak-pair"

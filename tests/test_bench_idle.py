@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.bench import idle, report
+from kvpush_lab.bench import idle, report
 from tests.conftest import nixl_or_skip
 
 

@@ -18,8 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.bench import serving, serving_cpu, serving_report
-from kvpush.bench.serving import (
+from kvpush.proxy import PrefillInstance
+from kvpush_lab.bench import serving, serving_cpu, serving_report
+from kvpush_lab.bench.serving_client import (
+    Route,
+    Sample,
+    arrival_offsets,
+    phase_prompts,
+    run_phase,
+    send,
+    summarize,
+)
+from kvpush_lab.bench.serving_cpu import GroupUsage
+from kvpush_lab.bench.serving_result import (
     KVPUSH,
     NIXL_PULL,
     NIXL_PUSH,
@@ -31,17 +42,6 @@ from kvpush.bench.serving import (
     ServingConfig,
     ServingResult,
 )
-from kvpush.bench.serving_client import (
-    Route,
-    Sample,
-    arrival_offsets,
-    phase_prompts,
-    run_phase,
-    send,
-    summarize,
-)
-from kvpush.bench.serving_cpu import GroupUsage
-from kvpush.proxy import PrefillInstance
 from tests.test_proxy import Fake, FakeHandler, Received, Respond, answer, fakes
 
 __all__ = ["fakes"]  # the fixture, imported for pytest

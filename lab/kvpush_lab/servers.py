@@ -35,12 +35,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.vllm._worker import cpu_list
-
 HOST = "127.0.0.1"
 SHM = Path("/dev/shm")
 
 Metrics = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPUs written as Linux (and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``) lists them: ``0``,
+    ``2,3``, ``4-7``, ``0,2-3``."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
 
 #: Shown instead of a secret in logs.
 REDACTED = "<redacted>"

@@ -10,7 +10,7 @@ while every thread of the process is accounted from ``/proc/self/task`` (utime +
   make theirs (``nixl_agent_config(num_threads=4, capture_telemetry=True)``, NIXL's own progress
   thread on, which is the Python API's default).
 
-The whole servers' idle cost with each connector is measured by :mod:`kvpush.bench.serving`;
+The whole servers' idle cost with each connector is measured by :mod:`kvpush_lab.bench.serving`;
 this isolates the part a connector adds. The process's main thread only sleeps meanwhile.
 """
 
@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 import kvpush
-from kvpush.bench import report
-from kvpush.bench.serving_cpu import TICKS_PER_S, read_stat
-from kvpush.bench.worker import CacheGeometry, nixl_module
+from kvpush_lab.bench import report
+from kvpush_lab.bench.serving_cpu import TICKS_PER_S, read_stat
+from kvpush_lab.bench.worker import CacheGeometry, nixl_module
 
 SECTION = "Idle cost: the transfer machinery alone"
 GEOMETRY = CacheGeometry(layers=2, blocks=64, block_tokens=16, heads=2, head_dim=64)

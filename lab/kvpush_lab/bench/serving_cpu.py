@@ -1,6 +1,6 @@
 """CPU time of whole process groups, read from ``/proc`` (Linux), for the idle-cost measurement.
 
-A vLLM server runs in its own process group (:class:`kvpush.servers.VllmServer`): the API
+A vLLM server runs in its own process group (:class:`kvpush_lab.servers.VllmServer`): the API
 server, the engine core and its worker. :func:`snapshot` reads ``utime + stime`` of every
 process in the given groups (and of each of their threads, to say which thread burns it);
 :func:`usage` turns two snapshots into cores busy on average in between: 1.0 is one core

@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import kvpush
-from kvpush.bench.report import cpu_model, load_average
-from kvpush.bench.worker import CacheGeometry, Method, Role, WorkerSpec, serve
+from kvpush_lab.bench.report import cpu_model, load_average
+from kvpush_lab.bench.worker import CacheGeometry, Method, Role, WorkerSpec, serve
 
 LAYOUTS = ("contiguous", "fragmented")
 PATHS = ("kvpush", "prepped", "initialize")
@@ -168,7 +168,7 @@ def block_orders(blocks: int, seed: int) -> dict[str, tuple[list[int], list[int]
 
 
 class WorkerProcess:
-    """A :class:`~kvpush.bench.worker.BenchWorker` in a spawned process; every wait bounded."""
+    """A :class:`~kvpush_lab.bench.worker.BenchWorker` in a spawned process; every wait bounded."""
 
     def __init__(self, spec: WorkerSpec, context: SpawnContext) -> None:
         self.role: Role = spec.role

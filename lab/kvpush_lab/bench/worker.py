@@ -3,7 +3,7 @@
 A worker holds a paged KV cache in numpy, written page by page before anything is timed, and
 two ways of moving it over the same memory: a kvpush :class:`~kvpush.Endpoint` (native writer
 thread) and a plain NIXL agent driven from Python the way vLLM's connector drives one. The
-coordinator (:mod:`kvpush.bench.transfer`) sends commands over a pipe; each runs one half of one
+coordinator (:mod:`kvpush_lab.bench.transfer`) sends commands over a pipe; each runs one half of one
 transfer and returns its timings.
 
 Both paths poll at the cadence of kvpush's writer thread (:data:`POLL_INTERVAL`), and the Python
