@@ -19,9 +19,11 @@ LAB_COMMANDS = {
 
 def _lab(argv: Sequence[str]) -> int:
     """Runs ``argv`` (``demo ...``, ``bench ...``, ``model ...``) with the lab's CLI."""
-    import importlib.util
-
-    if importlib.util.find_spec("kvpush_lab") is None:
+    try:
+        from kvpush_lab import cli as lab_cli
+    except ModuleNotFoundError as error:
+        if error.name != "kvpush_lab":
+            raise  # the lab is there but something it needs is not: its own error says what
         print(
             f"kvpush {argv[0]}: this command is part of kvpush's lab (demos, benchmarks, model "
             "tools), which is not installed here. Install it with `pip install kvpush-lab` "
@@ -30,8 +32,6 @@ def _lab(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    from kvpush_lab import cli as lab_cli
-
     return lab_cli.main(argv)
 
 
