@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     env = {"UCX_NET_DEVICES": "lo"}
-    kw = {"shape": SHAPE, "transport": "nixl", "secret": SECRET, "options": OPTIONS}
+    kw: dict[str, Any] = {"shape": SHAPE, "transport": "nixl", "secret": SECRET, "options": OPTIONS}
     p = RemoteWorker(env, role="p", seed=3, **kw)
     d = RemoteWorker(env, role="d", seed=None, **kw)
     started = time.monotonic()

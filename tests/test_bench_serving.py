@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.proxy import PrefillInstance
-from kvpush_lab.bench import serving, serving_cpu, serving_report
+from kvpush_lab.bench import serving, serving_cpu, serving_report, serving_result
 from kvpush_lab.bench.serving_client import (
     Route,
     Sample,
@@ -293,9 +293,9 @@ def test_options_become_the_config_and_its_command_line_says_so() -> None:
 
 
 def test_bad_options_are_refused_with_the_reason() -> None:
-    with pytest.raises(serving.ServingBenchError, match="choose from"):
+    with pytest.raises(serving_result.ServingBenchError, match="choose from"):
         parse("--connectors", "LMCache")
-    with pytest.raises(serving.ServingBenchError, match="positive"):
+    with pytest.raises(serving_result.ServingBenchError, match="positive"):
         parse("--loads", "0")
 
 
@@ -359,8 +359,8 @@ def test_goals_are_judged_from_the_figures() -> None:
 def test_a_result_survives_its_json_file(tmp_path: Path) -> None:
     result = fake_result(0.02)
     path = tmp_path / "results" / "serving.json"
-    serving.save_result(result, path)
-    again = serving.load_result(path)
+    serving_result.save_result(result, path)
+    again = serving_result.load_result(path)
     assert again.config == result.config
     assert [p.connector for p in again.pairs] == [p.connector for p in result.pairs]
     assert serving_report.report_text(again) == serving_report.report_text(result)
