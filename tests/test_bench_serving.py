@@ -6,6 +6,7 @@ starts here, and no timing is asserted."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import itertools
 import json
@@ -229,13 +230,35 @@ def test_a_sample_survives_json() -> None:
 # --- CPU accounting ----------------------------------------------------------------------------
 
 
-def test_stat_lines_with_odd_process_names_parse() -> None:
-    line = "4242 (VLLM::Engine (x) 1) S 1 4240 4240 0 -1 4194304 1 0 0 0 150 25 0 0 20 0 7"
-    stat = serving_cpu.parse_stat(line)
-    assert stat.pid == 4242
-    assert stat.comm == "VLLM::Engine (x) 1"
-    assert stat.pgrp == 4240
-    assert stat.ticks == 175
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names are Linux's")
+def test_a_thread_that_names_itself_is_counted_under_its_name() -> None:
+    named, done = threading.Event(), threading.Event()
+    tids: list[int] = []
+
+    def spin() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.prctl(15, b"kvpush (a) 1", 0, 0, 0) == 0  # PR_SET_NAME; odd on purpose
+        tids.append(threading.get_native_id())
+        named.set()
+        done.wait(10.0)
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        assert named.wait(10.0)
+        assert serving_cpu.comm(os.getpid(), tids[0]) == "kvpush (a) 1"
+        taken = serving_cpu.snapshot([os.getpgrp()])
+        group, name, _ = taken.threads[(os.getpid(), tids[0])]
+        assert group == os.getpgrp()
+        assert name == f"{taken.processes[os.getpid()][1]}/kvpush (a) 1"
+    finally:
+        done.set()
+        thread.join(10.0)
+    # Gone (the kernel reaps it a moment after join returns): left out, not an error.
+    deadline = time.monotonic() + 5.0
+    while serving_cpu.comm(os.getpid(), tids[0]) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert serving_cpu.comm(os.getpid(), tids[0]) is None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -258,12 +281,11 @@ def test_this_process_group_is_found_with_its_threads_and_its_ticks_only_grow() 
 
 
 def test_usage_counts_only_the_named_group_and_new_processes_from_zero() -> None:
-    tick = serving_cpu.TICKS_PER_S
-    before = serving_cpu.Snapshot(0.0, {1: (10, "api", 100), 2: (20, "other", 0)}, {})
+    before = serving_cpu.Snapshot(0.0, {1: (10, "api", 1.0), 2: (20, "other", 0.0)}, {})
     after = serving_cpu.Snapshot(
         2.0,
-        {1: (10, "api", 100 + int(tick)), 2: (20, "other", int(10 * tick)), 3: (10, "new", 0)},
-        {(1, 1): (10, "api/main", int(tick)), (1, 5): (10, "api/spin", int(tick))},
+        {1: (10, "api", 2.0), 2: (20, "other", 10.0), 3: (10, "new", 0.0)},
+        {(1, 1): (10, "api/main", 1.0), (1, 5): (10, "api/spin", 1.0)},
     )
     usage = serving_cpu.usage(before, after, 10)
     assert usage.cores == pytest.approx(0.5)
@@ -414,14 +436,9 @@ def test_no_request_goes_out_once_the_phase_budget_is_spent(
 
 
 def test_threads_are_named_main_unnamed_or_by_their_own_name() -> None:
-    process = serving_cpu.ProcStat(100, "VLLM::Worker", 100, 0)
-    assert serving_cpu.thread_name(process, process) == "main"
-    assert serving_cpu.thread_name(process, serving_cpu.ProcStat(101, "VLLM::Worker", 100, 0)) == (
-        "unnamed"
-    )
-    assert serving_cpu.thread_name(process, serving_cpu.ProcStat(102, "kvpush-writer", 100, 0)) == (
-        "kvpush-writer"
-    )
+    assert serving_cpu.thread_name(100, "VLLM::Worker", 100, "VLLM::Worker") == "main"
+    assert serving_cpu.thread_name(100, "VLLM::Worker", 101, "VLLM::Worker") == "unnamed"
+    assert serving_cpu.thread_name(100, "VLLM::Worker", 102, "kvpush-writer") == "kvpush-writer"
 
 
 def test_an_upstream_phase_without_one_success_is_noted_not_compared() -> None:

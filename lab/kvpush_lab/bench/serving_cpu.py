@@ -1,11 +1,11 @@
-"""CPU time of whole process groups, read from ``/proc`` (Linux), for the idle-cost measurement.
+"""CPU time of whole process groups (Linux), for the idle-cost measurement.
 
 A vLLM server runs in its own process group (:class:`kvpush_lab.servers.VllmServer`): the API
-server, the engine core and its worker. :func:`snapshot` reads ``utime + stime`` of every
-process in the given groups (and of each of their threads, to say which thread burns it);
-:func:`usage` turns two snapshots into cores busy on average in between: 1.0 is one core
-fully used. A process that exits between the snapshots drops out; one that starts counts
-from zero.
+server, the engine core and its worker. :func:`snapshot` takes user + system CPU seconds of
+every process in the given groups (and of each of their threads, to say which thread burns it)
+from psutil; :func:`usage` turns two snapshots into cores busy on average in between: 1.0 is
+one core fully used. A process that exits between the snapshots drops out; one that starts
+counts from zero.
 """
 
 from __future__ import annotations
@@ -17,77 +17,65 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-PROC = Path("/proc")
-TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+import psutil
 
 
-@dataclass(frozen=True)
-class ProcStat:
-    """The fields of ``/proc/<pid>[/task/<tid>]/stat`` this module reads."""
-
-    pid: int
-    comm: str
-    pgrp: int
-    ticks: int  # utime + stime
-
-
-def parse_stat(text: str) -> ProcStat:
-    """One ``stat`` line. ``comm`` is in parentheses and may hold spaces and parentheses, so
-    the fields after it are found from the last ``)``."""
-    head, _, tail = text.rpartition(")")
-    pid_text, _, comm = head.partition(" (")
-    fields = tail.split()
-    # fields[0] is field 3 (state): pgrp is field 5, utime 14, stime 15 (proc(5)).
-    return ProcStat(int(pid_text), comm, int(fields[2]), int(fields[11]) + int(fields[12]))
-
-
-def read_stat(path: Path) -> ProcStat | None:
+def comm(pid: int, tid: int | None = None) -> str | None:
+    """The kernel's name of a process (its first thread) or of one of its threads: what
+    ``pthread_setname_np`` and ``prctl(PR_SET_NAME)`` set. psutil reports threads' times but
+    not their names, and stretches a process's 15-byte name from its command line, so the
+    names are read here; None once the thread has gone."""
     try:
-        return parse_stat(path.read_text())
-    except (OSError, ValueError, IndexError):
+        return Path(f"/proc/{pid}/task/{tid or pid}/comm").read_text().rstrip("\n")
+    except OSError:
         return None
 
 
-def thread_name(process: ProcStat, thread: ProcStat) -> str:
+def thread_name(pid: int, process: str, tid: int, thread: str) -> str:
     """``main`` for the process's first thread; a thread that never named itself inherits the
     process's name, so it is called ``unnamed`` rather than mistaken for the main one."""
-    if thread.pid == process.pid:
+    if tid == pid:
         return "main"
-    return "unnamed" if thread.comm == process.comm else thread.comm
+    return "unnamed" if thread == process else thread
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """CPU ticks per process and per thread of some process groups at one moment."""
+    """CPU seconds per process and per thread of some process groups at one moment."""
 
     at: float
-    #: pid -> (group, process name, ticks)
-    processes: Mapping[int, tuple[int, str, int]]
-    #: (pid, tid) -> (group, "process/thread" name, ticks)
-    threads: Mapping[tuple[int, int], tuple[int, str, int]]
+    #: pid -> (group, process name, CPU seconds)
+    processes: Mapping[int, tuple[int, str, float]]
+    #: (pid, tid) -> (group, "process/thread" name, CPU seconds)
+    threads: Mapping[tuple[int, int], tuple[int, str, float]]
 
 
 def snapshot(groups: Iterable[int]) -> Snapshot:
     """Every process whose process group is in ``groups``, with its threads."""
     wanted = set(groups)
-    processes: dict[int, tuple[int, str, int]] = {}
-    threads: dict[tuple[int, int], tuple[int, str, int]] = {}
+    processes: dict[int, tuple[int, str, float]] = {}
+    threads: dict[tuple[int, int], tuple[int, str, float]] = {}
     at = time.monotonic()
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        stat = read_stat(entry / "stat")
-        if stat is None or stat.pgrp not in wanted:
-            continue
-        processes[stat.pid] = (stat.pgrp, stat.comm, stat.ticks)
-        with contextlib.suppress(OSError):
-            for task in (entry / "task").iterdir():
-                thread = read_stat(task / "stat")
+    for process in psutil.process_iter():
+        # A process or thread that ends between listing and reading is left out.
+        with contextlib.suppress(psutil.Error, OSError):
+            group = os.getpgid(process.pid)
+            if group not in wanted:
+                continue
+            name = comm(process.pid)
+            if name is None:
+                continue
+            with process.oneshot():
+                times = process.cpu_times()
+                tasks = process.threads()
+            processes[process.pid] = (group, name, times.user + times.system)
+            for task in tasks:
+                thread = comm(process.pid, task.id)
                 if thread is not None:
-                    threads[(stat.pid, thread.pid)] = (
-                        stat.pgrp,
-                        f"{stat.comm}/{thread_name(stat, thread)}",
-                        thread.ticks,
+                    threads[(process.pid, task.id)] = (
+                        group,
+                        f"{name}/{thread_name(process.pid, name, task.id, thread)}",
+                        task.user_time + task.system_time,
                     )
     return Snapshot(at, processes, threads)
 
@@ -109,24 +97,24 @@ def usage(before: Snapshot, after: Snapshot, group: int, top_threads: int = 4) -
     """Cores used by ``group`` between two snapshots (process totals include exited threads)."""
     seconds = max(after.at - before.at, 1e-9)
 
-    def cores(ticks: int) -> float:
-        return ticks / TICKS_PER_S / seconds
+    def cores(cpu_seconds: float) -> float:
+        return cpu_seconds / seconds
 
     by_process: dict[str, float] = {}
-    total = 0
-    for pid, (pgrp, comm, ticks) in after.processes.items():
+    total = 0.0
+    for pid, (pgrp, name, used) in after.processes.items():
         if pgrp != group:
             continue
         previous = before.processes.get(pid)
-        delta = ticks - (previous[2] if previous is not None else 0)
+        delta = used - (previous[2] if previous is not None else 0.0)
         total += delta
-        by_process[comm] = by_process.get(comm, 0.0) + cores(delta)
+        by_process[name] = by_process.get(name, 0.0) + cores(delta)
     by_thread: dict[str, float] = {}
-    for key, (pgrp, name, ticks) in after.threads.items():
+    for key, (pgrp, name, used) in after.threads.items():
         if pgrp != group:
             continue
         previous_thread = before.threads.get(key)
-        delta = ticks - (previous_thread[2] if previous_thread is not None else 0)
+        delta = used - (previous_thread[2] if previous_thread is not None else 0.0)
         by_thread[name] = by_thread.get(name, 0.0) + cores(delta)
     busiest = sorted(by_thread.items(), key=lambda item: -item[1])[:top_threads]
     return GroupUsage(
