@@ -572,10 +572,10 @@ def report_text(result: ControlResult) -> str:
 
 
 CONTROL_INTRO = """\
-`kvpush bench control` (`python/kvpush/bench/control.py`) times, per request and on one thread,
+`kvpush bench control` (`lab/kvpush_lab/bench/control.py`) times, per request and on one thread,
 the work P's writer does between "both halves present" and "WRITE posted", in one process, for
 kvpush and for vLLM's own push writer (the installed `NixlPushConnectorWorker`, on a stub worker
-as vLLM's unit tests build one; `python/kvpush/bench/vllm_baseline.py`).
+as vLLM's unit tests build one; `lab/kvpush_lab/bench/vllm_baseline.py`).
 
 * **vLLM**: `_pop_matching_registration` (P's and D's request ids differ in their random suffix,
   so its suffix scan runs) and `_do_start_push_kv`: `_logical_to_kernel_block_ids`,

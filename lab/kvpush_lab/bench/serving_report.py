@@ -634,7 +634,7 @@ P2P_FOOTNOTE = (
 )
 
 E2E_INTRO = """\
-`kvpush bench serving` (`python/kvpush/bench/serving.py`) runs real vLLM servers on this machine:
+`kvpush bench serving` (`lab/kvpush_lab/bench/serving.py`) runs real vLLM servers on this machine:
 a prefill server P confined to core 0 and a decode server D confined to core 1 (each server's
 whole process tree, as if each had a host of its own; `docs/vllm-cpu.md` says why), the tiny local
 model (`kvpush model make`: Qwen3, 2 layers, fp32, random weights), 128-token blocks, D without

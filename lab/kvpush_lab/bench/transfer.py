@@ -457,7 +457,7 @@ def report(result: BenchResult) -> str:
 # ---- docs/benchmarks.md ---------------------------------------------------------------------
 
 INTRO = """\
-`kvpush bench transfer` (`python/kvpush/bench/transfer.py`) pushes one request's whole KV cache
+`kvpush bench transfer` (`lab/kvpush_lab/bench/transfer.py`) pushes one request's whole KV cache
 from P to D, two spawned processes on one machine, over NIXL's UCX backend on loopback, and in
 the same run writes the same bytes with a plain NIXL WRITE driven from Python, the way vLLM's
 connector drives NIXL. Both processes hold their cache once (numpy, written page by page before
