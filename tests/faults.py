@@ -21,8 +21,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import psutil
+
 import kvpush
-from tests.peers import RemoteWorker
+from kvpush_lab.peer import RemoteWorker
 
 LOOPBACK = "127.0.0.1"
 Direction = Literal["p_to_d", "d_to_p", "both"]
@@ -283,17 +285,12 @@ class Relay:
 # ---- process control -------------------------------------------------------------------------
 
 
-def _state(pid: int) -> str:
-    """The process state letter of ``/proc/<pid>/stat`` (R, S, T, Z, ...)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        # The command name is in parentheses and may hold spaces; the state follows it.
-        return stat.read().rpartition(")")[2].split()[0]
-
-
 def pause(worker: RemoteWorker, timeout: float = 5.0) -> None:
     """Stops the worker's process (SIGSTOP) and waits until the kernel says it is stopped."""
     os.kill(worker.pid, signal.SIGSTOP)
-    if not wait_for(lambda: _state(worker.pid) in ("T", "t"), timeout, interval=0.01):
+    stopped = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    process = psutil.Process(worker.pid)
+    if not wait_for(lambda: process.status() in stopped, timeout, interval=0.01):
         raise TimeoutError(f"worker process {worker.pid} did not stop within {timeout}s")
 
 
@@ -313,14 +310,9 @@ def paused(worker: RemoteWorker) -> Iterator[None]:
 
 
 def rss_bytes(pid: int) -> int:
-    """The resident memory of process ``pid`` (``VmRSS`` of ``/proc/<pid>/status``)."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                value, unit = line.split()[1:3]
-                assert unit == "kB", line
-                return int(value) * 1024
-    raise ValueError(f"process {pid} has no VmRSS (a zombie?)")
+    """The resident memory of process ``pid``."""
+    rss: int = psutil.Process(pid).memory_info().rss
+    return rss
 
 
 class PeakRss:

@@ -23,8 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush_lab.peer import CacheShape, RemoteWorker, Request
 from tests.faults import rss_bytes
-from tests.peers import CacheShape, RemoteWorker, Request
 
 SHAPE = CacheShape(layers=2, num_blocks=8192, block_tokens=16)
 SECRET = b"shared-secret-of-the-soak-pair"
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     env = {"UCX_NET_DEVICES": "lo"}
-    kw = {"shape": SHAPE, "transport": "nixl", "secret": SECRET, "options": OPTIONS}
+    kw: dict[str, Any] = {"shape": SHAPE, "transport": "nixl", "secret": SECRET, "options": OPTIONS}
     p = RemoteWorker(env, role="p", seed=3, **kw)
     d = RemoteWorker(env, role="d", seed=None, **kw)
     started = time.monotonic()

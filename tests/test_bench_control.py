@@ -15,7 +15,7 @@ pytest.importorskip(
     reason="needs vLLM's NIXL push connector (run with .venv-vllm/bin/python -m pytest)",
 )
 
-from kvpush.bench import control
+from kvpush_lab.bench import control
 
 
 @pytest.fixture(scope="module")

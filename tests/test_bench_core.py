@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from kvpush.bench import core, report
+from kvpush_lab.bench import core, report
 
 
 def write_estimate(root: Path, group: str, function: str, value: str | None, ns: float) -> Path:

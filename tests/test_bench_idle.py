@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.bench import idle, report
+from kvpush_lab.bench import idle, report
 from tests.conftest import nixl_or_skip
 
 
 def test_thread_accounting_sees_this_thread_spin() -> None:
-    before = idle._thread_ticks()
+    before = idle._thread_seconds()
     deadline = time.monotonic() + 0.3
     while time.monotonic() < deadline:
         pass
-    after = idle._thread_ticks()
-    used = sum(ticks - before.get(tid, (name, 0))[1] for tid, (name, ticks) in after.items())
+    after = idle._thread_seconds()
+    used = sum(cpu - before.get(tid, (name, 0.0))[1] for tid, (name, cpu) in after.items())
     assert used > 0
 
 

@@ -6,6 +6,7 @@ starts here, and no timing is asserted."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import itertools
 import json
@@ -18,8 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.bench import serving, serving_cpu, serving_report
-from kvpush.bench.serving import (
+from kvpush.proxy import PrefillInstance
+from kvpush_lab.bench import serving, serving_cpu, serving_report, serving_result
+from kvpush_lab.bench.serving_client import (
+    Route,
+    Sample,
+    arrival_offsets,
+    phase_prompts,
+    run_phase,
+    send,
+    summarize,
+)
+from kvpush_lab.bench.serving_cpu import GroupUsage
+from kvpush_lab.bench.serving_result import (
     KVPUSH,
     NIXL_PULL,
     NIXL_PUSH,
@@ -31,17 +43,6 @@ from kvpush.bench.serving import (
     ServingConfig,
     ServingResult,
 )
-from kvpush.bench.serving_client import (
-    Route,
-    Sample,
-    arrival_offsets,
-    phase_prompts,
-    run_phase,
-    send,
-    summarize,
-)
-from kvpush.bench.serving_cpu import GroupUsage
-from kvpush.proxy import PrefillInstance
 from tests.test_proxy import Fake, FakeHandler, Received, Respond, answer, fakes
 
 __all__ = ["fakes"]  # the fixture, imported for pytest
@@ -229,13 +230,35 @@ def test_a_sample_survives_json() -> None:
 # --- CPU accounting ----------------------------------------------------------------------------
 
 
-def test_stat_lines_with_odd_process_names_parse() -> None:
-    line = "4242 (VLLM::Engine (x) 1) S 1 4240 4240 0 -1 4194304 1 0 0 0 150 25 0 0 20 0 7"
-    stat = serving_cpu.parse_stat(line)
-    assert stat.pid == 4242
-    assert stat.comm == "VLLM::Engine (x) 1"
-    assert stat.pgrp == 4240
-    assert stat.ticks == 175
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names are Linux's")
+def test_a_thread_that_names_itself_is_counted_under_its_name() -> None:
+    named, done = threading.Event(), threading.Event()
+    tids: list[int] = []
+
+    def spin() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.prctl(15, b"kvpush (a) 1", 0, 0, 0) == 0  # PR_SET_NAME; odd on purpose
+        tids.append(threading.get_native_id())
+        named.set()
+        done.wait(10.0)
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        assert named.wait(10.0)
+        assert serving_cpu.comm(os.getpid(), tids[0]) == "kvpush (a) 1"
+        taken = serving_cpu.snapshot([os.getpgrp()])
+        group, name, _ = taken.threads[(os.getpid(), tids[0])]
+        assert group == os.getpgrp()
+        assert name == f"{taken.processes[os.getpid()][1]}/kvpush (a) 1"
+    finally:
+        done.set()
+        thread.join(10.0)
+    # Gone (the kernel reaps it a moment after join returns): left out, not an error.
+    deadline = time.monotonic() + 5.0
+    while serving_cpu.comm(os.getpid(), tids[0]) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert serving_cpu.comm(os.getpid(), tids[0]) is None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -258,12 +281,11 @@ def test_this_process_group_is_found_with_its_threads_and_its_ticks_only_grow() 
 
 
 def test_usage_counts_only_the_named_group_and_new_processes_from_zero() -> None:
-    tick = serving_cpu.TICKS_PER_S
-    before = serving_cpu.Snapshot(0.0, {1: (10, "api", 100), 2: (20, "other", 0)}, {})
+    before = serving_cpu.Snapshot(0.0, {1: (10, "api", 1.0), 2: (20, "other", 0.0)}, {})
     after = serving_cpu.Snapshot(
         2.0,
-        {1: (10, "api", 100 + int(tick)), 2: (20, "other", int(10 * tick)), 3: (10, "new", 0)},
-        {(1, 1): (10, "api/main", int(tick)), (1, 5): (10, "api/spin", int(tick))},
+        {1: (10, "api", 2.0), 2: (20, "other", 10.0), 3: (10, "new", 0.0)},
+        {(1, 1): (10, "api/main", 1.0), (1, 5): (10, "api/spin", 1.0)},
     )
     usage = serving_cpu.usage(before, after, 10)
     assert usage.cores == pytest.approx(0.5)
@@ -293,9 +315,9 @@ def test_options_become_the_config_and_its_command_line_says_so() -> None:
 
 
 def test_bad_options_are_refused_with_the_reason() -> None:
-    with pytest.raises(serving.ServingBenchError, match="choose from"):
+    with pytest.raises(serving_result.ServingBenchError, match="choose from"):
         parse("--connectors", "LMCache")
-    with pytest.raises(serving.ServingBenchError, match="positive"):
+    with pytest.raises(serving_result.ServingBenchError, match="positive"):
         parse("--loads", "0")
 
 
@@ -359,8 +381,8 @@ def test_goals_are_judged_from_the_figures() -> None:
 def test_a_result_survives_its_json_file(tmp_path: Path) -> None:
     result = fake_result(0.02)
     path = tmp_path / "results" / "serving.json"
-    serving.save_result(result, path)
-    again = serving.load_result(path)
+    serving_result.save_result(result, path)
+    again = serving_result.load_result(path)
     assert again.config == result.config
     assert [p.connector for p in again.pairs] == [p.connector for p in result.pairs]
     assert serving_report.report_text(again) == serving_report.report_text(result)
@@ -414,14 +436,9 @@ def test_no_request_goes_out_once_the_phase_budget_is_spent(
 
 
 def test_threads_are_named_main_unnamed_or_by_their_own_name() -> None:
-    process = serving_cpu.ProcStat(100, "VLLM::Worker", 100, 0)
-    assert serving_cpu.thread_name(process, process) == "main"
-    assert serving_cpu.thread_name(process, serving_cpu.ProcStat(101, "VLLM::Worker", 100, 0)) == (
-        "unnamed"
-    )
-    assert serving_cpu.thread_name(process, serving_cpu.ProcStat(102, "kvpush-writer", 100, 0)) == (
-        "kvpush-writer"
-    )
+    assert serving_cpu.thread_name(100, "VLLM::Worker", 100, "VLLM::Worker") == "main"
+    assert serving_cpu.thread_name(100, "VLLM::Worker", 101, "VLLM::Worker") == "unnamed"
+    assert serving_cpu.thread_name(100, "VLLM::Worker", 102, "kvpush-writer") == "kvpush-writer"
 
 
 def test_an_upstream_phase_without_one_success_is_noted_not_compared() -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpush import demo_vllm, servers
-from kvpush.demo_vllm import RequestResult, Transfer
+from kvpush_lab import demo_vllm, servers
+from kvpush_lab.demo_vllm import RequestResult, Transfer
 
 
 def timeline_line(role: str, key: str, request_id: str, **wall: float) -> dict[str, object]:

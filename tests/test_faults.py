@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from kvpush_lab.peer import RemoteWorker, Request, Worker
 from tests.faults import (
     LOOPBACK,
     Direction,
@@ -39,7 +40,6 @@ from tests.faults import (
     slowloris,
     wait_for,
 )
-from tests.peers import RemoteWorker, Request, Worker
 from tests.test_transfer import P_SHAPE, TRANSPORTS, Pair, make_requests
 
 SECRET = b"shared-secret-of-the-fault-pair"

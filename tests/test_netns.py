@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
+from kvpush_lab.peer import NETNS_ENV, CacheShape, RemoteWorker
 from tests.conftest import nixl_or_skip
 from tests.faults import wait_for
-from tests.peers import NETNS_ENV, CacheShape, RemoteWorker
 from tests.test_transfer import P_SEED, make_requests
 
 SECRET = b"shared-secret-of-the-netns-pair"

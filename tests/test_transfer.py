@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 import kvpush
+from kvpush_lab.peer import CacheShape, RemoteWorker, Request, Worker
 from tests.conftest import nixl_or_skip
-from tests.peers import CacheShape, RemoteWorker, Request, Worker
 
 P_SHAPE = CacheShape(layers=4, num_blocks=256, block_tokens=16)
 D_SHAPE = CacheShape(layers=4, num_blocks=128, block_tokens=32)

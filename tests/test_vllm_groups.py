@@ -38,8 +38,8 @@ from kvpush.exceptions import LayoutError
 from kvpush.vllm._layout import NULL_BLOCK, CacheGroups, Model, views_by_group
 from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import PushWorker, WorkerConfig
+from kvpush_lab.peer import RemoteWorker
 from tests.conftest import nixl_or_skip
-from tests.peers import RemoteWorker
 
 pytestmark = pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -138,7 +138,8 @@ def requests(block_size: int) -> list[Request]:
 
 class GroupsWorker:
     """The connector's worker over a hybrid model's caches as vLLM allocates them; the commands
-    the two-process tests send (:class:`tests.peers.RemoteWorker` runs it in its own process)."""
+    the two-process tests send (:class:`kvpush_lab.peer.RemoteWorker` runs it in its own
+    process)."""
 
     def __init__(self, role: str, backend_name: str, block_size: int, seed: int, transport: str):
         import torch

@@ -658,8 +658,8 @@ def test_tp_sizes_that_cannot_exchange_kv_are_refused_with_the_reason() -> None:
 def test_workers_of_different_tp_sizes_move_cpu_attention_caches(p_tp: int, d_tp: int) -> None:
     """The connector's workers, each rank its own endpoint (loopback transport): every D rank
     receives its heads from the P ranks holding them, and reports the request done once."""
-    from kvpush.servers import free_port
     from kvpush.vllm._scheduler import PushScheduler
+    from kvpush_lab.servers import free_port
 
     p_base = free_port()
     p = [allocate("CPU_ATTN", "LBHNC", 32, tp=(r, p_tp), seed=1 + r) for r in range(p_tp)]

@@ -21,7 +21,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpush.model import make_tiny_model
+    from kvpush_lab.model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
 

@@ -13,7 +13,7 @@ Owns three things (the tests also run in a venv without vLLM, where they are ski
   ``kv_transfer_params``.
 * :meth:`VllmServer.metric`: Prometheus counters from ``/metrics``.
 
-Ports, process groups, ``/dev/shm`` clean-up and metrics parsing are :mod:`kvpush.servers`'
+Ports, process groups, ``/dev/shm`` clean-up and metrics parsing are :mod:`kvpush_lab.servers`'
 (the demo's launcher), shared rather than copied.
 """
 
@@ -27,9 +27,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush import servers
 from kvpush.router import Completion, PrefillInstance, complete_once
-from kvpush.servers import (
+from kvpush_lab import servers
+from kvpush_lab.servers import (
     HOST,
     clean_shm,
     metric_value,
@@ -41,7 +41,7 @@ JSON = dict[str, Any]
 
 @dataclass
 class VllmServer(servers.VllmServer):
-    """:class:`kvpush.servers.VllmServer` (the demo's launcher: command line, environment,
+    """:class:`kvpush_lab.servers.VllmServer` (the demo's launcher: command line, environment,
     process group, log, ``/dev/shm`` clean-up), plus what the tests ask of a server: a health
     wait that raises with the log's tail and prints progress, and JSON posts."""
 

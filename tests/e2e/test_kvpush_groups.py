@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.servers import metric_value
+from kvpush_lab.servers import metric_value
 from tests.e2e.harness import VllmServer
 from tests.e2e.test_kvpush_pair import (
     Pair,
@@ -66,7 +66,7 @@ def blocks_moved(prompt_tokens: int) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpush.model import make_tiny_model
+    from kvpush_lab.model import make_tiny_model
 
     return make_tiny_model(
         tmp_path_factory.mktemp("model") / "tiny-gemma3",

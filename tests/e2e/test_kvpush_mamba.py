@@ -37,7 +37,7 @@ SERVER_ARGS = ["--no-enable-prefix-caching", "--block-size", "128"]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpush.model import make_tiny_model
+    from kvpush_lab.model import make_tiny_model
 
     return make_tiny_model(
         tmp_path_factory.mktemp("model") / "tiny-nemotron-h", architecture="nemotron_h", layers=3

@@ -1,5 +1,5 @@
 """kvpush's connector on a multi-head latent attention (MLA) model in real vLLM servers: the
-tiny DeepSeek-V3 of :func:`kvpush.model.make_tiny_mla_model`, a prefill server (P) and a decode
+tiny DeepSeek-V3 of :func:`kvpush_lab.model.make_tiny_mla_model`, a prefill server (P) and a decode
 server (D) behind ``kvpush proxy``.
 
 * D's greedy continuation equals a plain single server's: token ids, and log-probabilities
@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.servers import metric_value
+from kvpush_lab.servers import metric_value
 from tests.e2e.harness import VllmServer, completion_logprobs
 from tests.e2e.test_kvpush_pair import (
     Pair,
@@ -75,7 +75,7 @@ MLA_ARGS = [
 
 @pytest.fixture(scope="module")
 def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpush.model import make_tiny_mla_model
+    from kvpush_lab.model import make_tiny_mla_model
 
     return make_tiny_mla_model(tmp_path_factory.mktemp("model") / "tiny-deepseek-v3")
 

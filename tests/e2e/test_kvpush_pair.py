@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.servers import HOST, metric_value
+from kvpush_lab.servers import HOST, metric_value
 from tests.e2e.harness import (
     VllmServer,
     completion_logprobs,

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.servers import metric_value
+from kvpush_lab.servers import metric_value
 from tests.e2e.harness import VllmServer
 from tests.e2e.test_kvpush_pair import (
     Pair,

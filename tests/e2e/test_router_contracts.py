@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvpush.servers import HOST, free_port, metric_value
+from kvpush_lab.servers import HOST, free_port, metric_value
 from tests.e2e.harness import VllmServer, running
 from tests.e2e.routers import (
     JSON,

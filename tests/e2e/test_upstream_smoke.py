@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.servers import metric_value
+from kvpush_lab.servers import metric_value
 from tests.e2e.harness import (
     PrefillEndpoint,
     VllmServer,
@@ -78,7 +78,7 @@ def greedy_body(model: Path, prompt: list[int]) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpush.model import make_tiny_model
+    from kvpush_lab.model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
 

@@ -3,7 +3,8 @@
 A worker holds a paged KV cache in numpy, written page by page before anything is timed, and
 two ways of moving it over the same memory: a kvpush :class:`~kvpush.Endpoint` (native writer
 thread) and a plain NIXL agent driven from Python the way vLLM's connector drives one. The
-coordinator (:mod:`kvpush.bench.transfer`) sends commands over a pipe; each runs one half of one
+coordinator (:mod:`kvpush_lab.bench.transfer`) runs each in its own process with the tests' peer
+(:class:`kvpush_lab.peer.RemoteWorker`); each command (a public method) runs one half of one
 transfer and returns its timings.
 
 Both paths poll at the cadence of kvpush's writer thread (:data:`POLL_INTERVAL`), and the Python
@@ -19,9 +20,7 @@ import importlib
 import logging
 import os
 import time
-import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any, Literal
 
 import numpy as np
@@ -375,58 +374,3 @@ class BenchWorker:
             self.agent.deregister_memory(self.registration)
         finally:
             self.endpoint.close()
-
-
-COMMANDS = frozenset(
-    {
-        "hello",
-        "connect",
-        "kvpush_ready",
-        "kvpush_receive",
-        "kvpush_sent",
-        "nixl_send",
-        "nixl_receive",
-        "close",
-    }
-)
-
-
-def _answer(connection: Connection, status: str, value: Any) -> bool:
-    """Sends one reply; False when the coordinator has gone (it gave up or was interrupted)."""
-    try:
-        connection.send((status, value))
-    except OSError:
-        return False
-    return True
-
-
-def serve(connection: Connection, spec: WorkerSpec) -> None:
-    """A worker process: runs the coordinator's commands until "close" or a closed pipe."""
-    # UCX reads its environment when the agents' contexts are created, below.
-    os.environ.update(spec.env)
-    try:
-        worker = BenchWorker(spec)
-    except BaseException:
-        _answer(connection, "error", traceback.format_exc())
-        return
-    if not _answer(connection, "ok", worker.hello()):
-        worker.close()
-        return
-    while True:
-        try:
-            name, kwargs = connection.recv()
-        except (EOFError, OSError):
-            worker.close()
-            return
-        try:
-            if name not in COMMANDS:
-                raise ValueError(f"unknown benchmark command {name!r}")
-            status, value = "ok", getattr(worker, name)(**kwargs)
-        except BaseException:
-            status, value = "error", traceback.format_exc()
-        answered = _answer(connection, status, value)
-        if name == "close":
-            return
-        if not answered:
-            worker.close()
-            return

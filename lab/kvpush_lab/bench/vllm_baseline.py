@@ -13,7 +13,7 @@ the world outside the writer:
   handle; ``transfer`` does nothing. NIXL's own work on those ids (C++) is not measured.
 
 The topology and TP mapping are vLLM's own (``TransferTopology``, ``EngineTransferInfo``,
-``compute_tp_mapping``). This is the only module of ``kvpush.bench`` that imports vLLM.
+``compute_tp_mapping``). This is the only module of ``kvpush_lab.bench`` that imports vLLM.
 """
 
 from __future__ import annotations

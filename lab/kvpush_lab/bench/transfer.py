@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import multiprocessing as mp
 import os
 import platform
 import random
@@ -34,14 +33,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from multiprocessing.context import SpawnContext, SpawnProcess
 from pathlib import Path
 from typing import Any, Literal
 
 import kvpush
-from kvpush.bench.report import cpu_model, load_average
-from kvpush.bench.worker import CacheGeometry, Method, Role, WorkerSpec, serve
+from kvpush_lab.bench.report import cpu_model, load_average
+from kvpush_lab.bench.worker import BenchWorker, CacheGeometry, Method, WorkerSpec
+from kvpush_lab.peer import PeerError, RemoteWorker
 
 LAYOUTS = ("contiguous", "fragmented")
 PATHS = ("kvpush", "prepped", "initialize")
@@ -167,66 +165,6 @@ def block_orders(blocks: int, seed: int) -> dict[str, tuple[list[int], list[int]
     }
 
 
-class WorkerProcess:
-    """A :class:`~kvpush.bench.worker.BenchWorker` in a spawned process; every wait bounded."""
-
-    def __init__(self, spec: WorkerSpec, context: SpawnContext) -> None:
-        self.role: Role = spec.role
-        self._connection, child = context.Pipe()
-        self._process: SpawnProcess = context.Process(
-            target=serve, args=(child, spec), name=f"kvpush-bench-{spec.role}", daemon=True
-        )
-        self._process.start()
-        child.close()  # so a dead worker reads as EOF here, not as silence
-
-    @property
-    def connection(self) -> Connection:
-        return self._connection
-
-    def send(self, command: str, **kwargs: Any) -> None:
-        self._connection.send((command, kwargs))
-
-    def receive(self, wait: float, doing: str) -> Any:
-        if not self._connection.poll(wait):
-            raise BenchError(
-                f"{self.role.upper()} worker did not finish {doing} within {wait:.0f} s "
-                "(a stuck transfer?); giving up"
-            )
-        try:
-            status, value = self._connection.recv()
-        except EOFError:
-            self._process.join(timeout=5.0)
-            raise BenchError(
-                f"{self.role.upper()} worker exited (code {self._process.exitcode}) during {doing}"
-            ) from None
-        if status == "error":
-            raise BenchError(f"{self.role.upper()} worker failed during {doing}:\n{value}")
-        return value
-
-    def call(self, command: str, wait: float, doing: str, **kwargs: Any) -> Any:
-        self.send(command, **kwargs)
-        return self.receive(wait, doing)
-
-    def close(self) -> None:
-        """Closes the worker's endpoint and agent, then joins it (killed if it will not end).
-        Replies still owed for a command the run gave up on are read and dropped."""
-        try:
-            if self._process.is_alive():
-                self.send("close")
-                deadline = time.monotonic() + 15.0
-                while self._process.is_alive() and time.monotonic() < deadline:
-                    if self._connection.poll(0.1):
-                        self._connection.recv()
-        except (EOFError, OSError):
-            pass
-        finally:
-            self._connection.close()
-            self._process.join(timeout=10.0)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join(timeout=5.0)
-
-
 class TransferBench:
     """One run: both workers, the warm-up round and the measured rounds."""
 
@@ -242,10 +180,17 @@ class TransferBench:
     def run(self) -> BenchResult:
         started = time.perf_counter()
         self.result.notes["load_before"] = load_average()
-        context = mp.get_context("spawn")
         env = self.config.env()
-        p = WorkerProcess(WorkerSpec("p", self.geometry, env), context)
-        d = WorkerProcess(WorkerSpec("d", self.geometry, env), context)
+        p, d = (
+            RemoteWorker(
+                env,
+                BenchWorker,
+                name=f"{role.upper()} worker",
+                wait=None,  # both start (allocate, pre-touch) at once; _measure waits
+                spec=WorkerSpec(role, self.geometry, env),
+            )
+            for role in ("p", "d")
+        )
         try:
             self._measure(p, d)
         finally:
@@ -255,10 +200,10 @@ class TransferBench:
         self.result.elapsed_s = time.perf_counter() - started
         return self.result
 
-    def _measure(self, p: WorkerProcess, d: WorkerProcess) -> None:
+    def _measure(self, p: RemoteWorker, d: RemoteWorker) -> None:
         g = self.geometry
-        hello_p = p.receive(STARTUP_TIMEOUT_S, "start-up")
-        hello_d = d.receive(STARTUP_TIMEOUT_S, "start-up")
+        hello_p = p.started(STARTUP_TIMEOUT_S)
+        hello_d = d.started(STARTUP_TIMEOUT_S)
         self.progress(
             f"P and D up: {g.bytes / 2**30:.2f} GiB each ({g.layers} layers x K/V x {g.blocks} "
             f"blocks of {g.block_bytes // 1024} KiB), pre-touched in "
@@ -320,7 +265,7 @@ class TransferBench:
                 "KV of P's matching block after the transfer reported success"
             )
 
-    def _kvpush(self, p: WorkerProcess, d: WorkerProcess, source: str, layout: str) -> Sample:
+    def _kvpush(self, p: RemoteWorker, d: RemoteWorker, source: str, layout: str) -> Sample:
         p_blocks, d_blocks = self.orders[layout]
         sequence = self._next()
         request_id = f"cmpl-bench{sequence}-0"
@@ -360,14 +305,14 @@ class TransferBench:
             d_view_s=float(received["d_view_s"]),
         )
 
-    def _nixl(self, p: WorkerProcess, d: WorkerProcess, layout: str, method: Method) -> Sample:
+    def _nixl(self, p: RemoteWorker, d: RemoteWorker, layout: str, method: Method) -> Sample:
         p_blocks, d_blocks = self.orders[layout]
         sequence = self._next()
         tag = f"bench-{layout}-{method}-{sequence}"
         what = f"NIXL ({method}) transfer {tag}"
         timeout = self.config.transfer_timeout_s
         # P waits for D's go while D sends it: both progress their agents as they wait.
-        p.send(
+        p.post(
             "nixl_send", tag=tag, method=method, blocks=p_blocks, sequence=sequence, timeout=timeout
         )
         received = d.call(
@@ -380,7 +325,7 @@ class TransferBench:
             sequence=sequence,
             timeout=timeout,
         )
-        sent = p.receive(self.wait, what)
+        sent = p.reply(self.wait, what)
         self._check(received, what)
         return Sample(
             bytes=int(sent["bytes"]),
@@ -393,7 +338,8 @@ class TransferBench:
 
 
 def run(config: BenchConfig, progress: Callable[[str], None] = print) -> BenchResult:
-    """Runs the benchmark; raises :class:`BenchError` if it cannot run or a transfer fails."""
+    """Runs the benchmark; raises :class:`BenchError` if it cannot run or a transfer fails
+    (:class:`~kvpush_lab.peer.PeerError` if a worker does)."""
     return TransferBench(config, progress).run()
 
 
@@ -511,7 +457,7 @@ def report(result: BenchResult) -> str:
 # ---- docs/benchmarks.md ---------------------------------------------------------------------
 
 INTRO = """\
-`kvpush bench transfer` (`python/kvpush/bench/transfer.py`) pushes one request's whole KV cache
+`kvpush bench transfer` (`lab/kvpush_lab/bench/transfer.py`) pushes one request's whole KV cache
 from P to D, two spawned processes on one machine, over NIXL's UCX backend on loopback, and in
 the same run writes the same bytes with a plain NIXL WRITE driven from Python, the way vLLM's
 connector drives NIXL. Both processes hold their cache once (numpy, written page by page before
@@ -663,7 +609,7 @@ def main(args: argparse.Namespace) -> int:
     )
     try:
         result = run(config, progress=lambda line: print(line, flush=True))
-    except BenchError as error:
+    except (BenchError, PeerError) as error:
         print(f"kvpush bench transfer: {error}", file=sys.stderr)
         return 1
     print()

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpush.bench import report
+from kvpush_lab.bench import report
 
 SECTION = "Core (criterion)"
 PLANNER = "planner/64 layers x 1000 blocks"

@@ -1,8 +1,8 @@
 """vLLM OpenAI servers as subprocesses: start, watch, query, stop, clean up.
 
 Owns what it takes to run vLLM servers beside kvpush on one machine (``docs/vllm-cpu.md``),
-with the standard library only (kvpush does not depend on vLLM; the servers run in the
-interpreter that has it, by default this one):
+with the standard library and prometheus_client (kvpush does not depend on vLLM; the servers
+run in the interpreter that has it, by default this one):
 
 * :class:`VllmServer`: one ``python -m vllm.entrypoints.openai.api_server`` with the CPU
   settings that work (fp32, eager, a 1 GiB KV cache, OpenMP pinned to one core, its own NIXL
@@ -12,7 +12,8 @@ interpreter that has it, by default this one):
   (read from its log) to a callback, and fails with the log's tail when one dies or hangs;
 * :meth:`VllmServer.stop`: SIGTERM to the group, SIGKILL after a grace period, and
   :func:`clean_shm`: ``/dev/shm`` entries the servers left behind that nothing uses any more;
-* :func:`parse_metrics` / :func:`metric_value`: Prometheus counters from ``/metrics``.
+* :func:`parse_metrics` / :func:`metric_value`: Prometheus counters from ``/metrics``
+  (prometheus_client's parser).
 """
 
 from __future__ import annotations
@@ -30,17 +31,28 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.vllm._worker import cpu_list
+from prometheus_client.parser import text_string_to_metric_families
 
 HOST = "127.0.0.1"
 SHM = Path("/dev/shm")
 
 Metrics = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPUs written as Linux (and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``) lists them: ``0``,
+    ``2,3``, ``4-7``, ``0,2-3``."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
 
 #: Shown instead of a secret in logs.
 REDACTED = "<redacted>"
@@ -507,40 +519,13 @@ def clean_shm(before: set[str]) -> list[str]:
 
 
 def parse_metrics(text: str) -> Metrics:
-    """Prometheus text format to ``{(name, labels): value}`` (comments and NaN skipped)."""
+    """Prometheus text format to ``{(sample name, labels): value}`` (NaN samples skipped)."""
     samples: Metrics = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name, rest = line.split("{", 1)
-            label_text, value_text = rest.rsplit("}", 1)
-            labels = frozenset(_parse_labels(label_text))
-        else:
-            name, value_text = line.split(None, 1)
-            labels = frozenset()
-        value = float(value_text.split()[0])
-        if value == value:  # not NaN
-            samples[(name, labels)] = value
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.value == sample.value:  # not NaN
+                samples[(sample.name, frozenset(sample.labels.items()))] = float(sample.value)
     return samples
-
-
-def _parse_labels(text: str) -> Iterator[tuple[str, str]]:
-    i = 0
-    while i < len(text):
-        eq = text.index("=", i)
-        key = text[i:eq].strip().lstrip(",").strip()
-        j = eq + 2  # past ="
-        value = []
-        while text[j] != '"':
-            if text[j] == "\\":
-                j += 1
-            value.append(text[j])
-            j += 1
-        yield key, "".join(value)
-        i = j + 1
-        while i < len(text) and text[i] in ", ":
-            i += 1
 
 
 def metric_value(

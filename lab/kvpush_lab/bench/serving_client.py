@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from kvpush.demo_vllm import completion_body, percentile, prompt_token_ids
 from kvpush.proxy import PrefillInstance, decode_body, prefill_body
+from kvpush_lab.demo_vllm import completion_body, percentile, prompt_token_ids
 
 Routing = Literal["push", "pull"]
 JSON = dict[str, Any]

@@ -2,7 +2,7 @@
 
 Each variant runs in its own spawned process holding both sides (P and D) over NIXL's UCX
 backend on loopback. It moves one request first (connections made, UCX wired up), then sleeps
-while every thread of the process is accounted from ``/proc/self/task`` (utime + stime):
+while every thread of the process is accounted (user + system CPU time, from psutil):
 
 * **kvpush**: two :class:`~kvpush.Endpoint` objects (native writer threads, side channels,
   heartbeats), NIXL progressed by the writers;
@@ -10,7 +10,7 @@ while every thread of the process is accounted from ``/proc/self/task`` (utime +
   make theirs (``nixl_agent_config(num_threads=4, capture_telemetry=True)``, NIXL's own progress
   thread on, which is the Python API's default).
 
-The whole servers' idle cost with each connector is measured by :mod:`kvpush.bench.serving`;
+The whole servers' idle cost with each connector is measured by :mod:`kvpush_lab.bench.serving`;
 this isolates the part a connector adds. The process's main thread only sleeps meanwhile.
 """
 
@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 import kvpush
-from kvpush.bench import report
-from kvpush.bench.serving_cpu import TICKS_PER_S, read_stat
-from kvpush.bench.worker import CacheGeometry, nixl_module
+from kvpush_lab.bench import report
+from kvpush_lab.bench.serving_cpu import comm
+from kvpush_lab.bench.worker import CacheGeometry, nixl_module
 
 SECTION = "Idle cost: the transfer machinery alone"
 GEOMETRY = CacheGeometry(layers=2, blocks=64, block_tokens=16, heads=2, head_dim=64)
@@ -53,26 +54,27 @@ class IdleSample:
     threads: dict[str, float] = field(default_factory=dict)
 
 
-def _thread_ticks() -> dict[int, tuple[str, int]]:
-    """Thread id -> (name, utime + stime in clock ticks) for this process."""
-    ticks: dict[int, tuple[str, int]] = {}
-    for task in Path("/proc/self/task").iterdir():
-        stat = read_stat(task / "stat")  # None: the thread ended between listing and reading
-        if stat is not None:
-            ticks[stat.pid] = (stat.comm, stat.ticks)
-    return ticks
+def _thread_seconds() -> dict[int, tuple[str, float]]:
+    """Thread id -> (name, user + system CPU seconds) for this process."""
+    seconds: dict[int, tuple[str, float]] = {}
+    pid = os.getpid()
+    for thread in psutil.Process(pid).threads():
+        name = comm(pid, thread.id)  # None: the thread ended between listing and reading
+        if name is not None:
+            seconds[thread.id] = (name, thread.user_time + thread.system_time)
+    return seconds
 
 
 def _measure(seconds: float, variant: str) -> IdleSample:
-    before = _thread_ticks()
+    before = _thread_seconds()
     started = time.monotonic()
     time.sleep(seconds)
     wall = time.monotonic() - started
-    after = _thread_ticks()
+    after = _thread_seconds()
     per_name: dict[str, float] = {}
-    for tid, (name, ticks) in after.items():
-        used = ticks - before.get(tid, (name, 0))[1]
-        per_name[name] = per_name.get(name, 0.0) + 100.0 * used / TICKS_PER_S / wall
+    for tid, (name, used) in after.items():
+        delta = used - before.get(tid, (name, 0.0))[1]
+        per_name[name] = per_name.get(name, 0.0) + 100.0 * delta / wall
     total = sum(per_name.values())
     busiest = dict(sorted(((n, p) for n, p in per_name.items() if p > 0), key=lambda x: -x[1]))
     return IdleSample(variant, wall, total, busiest)

@@ -6,7 +6,7 @@ block-size translation, prefix trim, and descriptor ids (vLLM) or merged runs (k
 thread, one process, the same layouts and block ids for both, timed per request with
 ``time.perf_counter_ns`` after a warm-up; medians.
 
-* **vLLM** (:mod:`kvpush.bench.vllm_baseline`): the installed ``NixlPushConnectorWorker`` on a
+* **vLLM** (:mod:`kvpush_lab.bench.vllm_baseline`): the installed ``NixlPushConnectorWorker`` on a
   stub instance, as its unit tests drive it. Timed: ``_pop_matching_registration`` (exact key,
   then the suffix scan, as P's and D's request ids differ in their random suffix) and
   ``_do_start_push_kv``, which runs ``_as_grouped_block_ids``, ``_logical_to_kernel_block_ids``
@@ -53,9 +53,9 @@ from typing import Literal
 import numpy as np
 
 import kvpush
-from kvpush.bench import report
-from kvpush.bench.report import Table, bar_chart, line_chart, ratio, replace_section, seconds
-from kvpush.bench.vllm_baseline import Side, VllmUnavailableError, VllmWriter, vllm_version
+from kvpush_lab.bench import report
+from kvpush_lab.bench.report import Table, bar_chart, line_chart, ratio, replace_section, seconds
+from kvpush_lab.bench.vllm_baseline import Side, VllmUnavailableError, VllmWriter, vllm_version
 
 CONTROL_SECTION = "Control path"
 MATCHING_SECTION = "Matching under load"
@@ -572,10 +572,10 @@ def report_text(result: ControlResult) -> str:
 
 
 CONTROL_INTRO = """\
-`kvpush bench control` (`python/kvpush/bench/control.py`) times, per request and on one thread,
+`kvpush bench control` (`lab/kvpush_lab/bench/control.py`) times, per request and on one thread,
 the work P's writer does between "both halves present" and "WRITE posted", in one process, for
 kvpush and for vLLM's own push writer (the installed `NixlPushConnectorWorker`, on a stub worker
-as vLLM's unit tests build one; `python/kvpush/bench/vllm_baseline.py`).
+as vLLM's unit tests build one; `lab/kvpush_lab/bench/vllm_baseline.py`).
 
 * **vLLM**: `_pop_matching_registration` (P's and D's request ids differ in their random suffix,
   so its suffix scan runs) and `_do_start_push_kv`: `_logical_to_kernel_block_ids`,

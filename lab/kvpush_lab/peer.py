@@ -1,6 +1,13 @@
-"""P and D workers for the transfer tests: paged KV caches in numpy, driven through one
-command interface whether they run in this process (loopback transport) or in their own
-process (NIXL over UCX on loopback)."""
+"""The two-process peer of kvpush's tests and benchmarks: a P or D worker in its own process.
+
+:class:`RemoteWorker` runs a worker class in a spawned process and drives it over a pipe, one
+command (a public method of the worker) at a time, every wait bounded; the tests' transfers, the
+fault tests and the data-path benchmark (:mod:`kvpush_lab.bench.worker`) all go through it.
+
+:class:`Worker` is the tests' worker: a paged KV cache in numpy and its kvpush endpoint, driven
+through the same commands whether it runs in this process (loopback transport) or in its own
+(NIXL over UCX on loopback); :func:`expected_destination` is the per-token copy D's cache is
+checked against."""
 
 from __future__ import annotations
 
@@ -288,57 +295,106 @@ def enter_netns(name: str) -> None:
     check(libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None), "mount sysfs")
 
 
+def _answer(connection: Connection, status: str, value: Any) -> bool:
+    """Sends one reply; False when the driving process has gone (it gave up or was killed)."""
+    try:
+        connection.send((status, value))
+    except OSError:
+        return False
+    return True
+
+
 def _serve(
     connection: Connection, kwargs: dict[str, Any], env: dict[str, str], worker_class: type
 ) -> None:
-    """A worker process: runs commands from the pipe until "close"."""
-    import os
+    """A worker process: runs the commands from the pipe until "close" or a closed pipe.
 
+    The start-up reply is the worker's ``hello()`` where it has one (what its peer needs to
+    connect), else its ``address()``. A command is a public method of the worker."""
+    # Before the worker exists: UCX reads its environment when the endpoint's context is made.
     os.environ.update(env)
     try:
         if env.get(NETNS_ENV):
             enter_netns(env[NETNS_ENV])
         worker = worker_class(**kwargs)
-        connection.send(("ok", worker.address()))
+        hello = worker.hello() if hasattr(worker, "hello") else worker.address()
     except BaseException:
-        connection.send(("error", traceback.format_exc()))
+        _answer(connection, "error", traceback.format_exc())
+        return
+    if not _answer(connection, "ok", hello):
+        worker.close()
         return
     while True:
-        name, args, kwargs = connection.recv()
         try:
-            result = getattr(worker, name)(*args, **kwargs)
-            connection.send(("ok", result))
+            name, args, kwargs = connection.recv()
+        except (EOFError, OSError):
+            worker.close()
+            return
+        try:
+            if name.startswith("_"):
+                raise ValueError(f"{name!r} is not a command of {worker_class.__name__}")
+            status, value = "ok", getattr(worker, name)(*args, **kwargs)
         except BaseException:
-            connection.send(("error", traceback.format_exc()))
+            status, value = "error", traceback.format_exc()
+        answered = _answer(connection, status, value)
         if name == "close":
+            return
+        if not answered:
+            worker.close()
             return
 
 
+class PeerError(RuntimeError):
+    """A worker process failed a command, exited, or did not answer in time."""
+
+
 class RemoteWorker:
-    """A :class:`Worker` in its own process (spawned: nothing inherited), same commands; or
-    another ``worker_class`` (defined at a module's top level, with an ``address()``)."""
+    """A worker in its own process (spawned: nothing inherited), driven over a pipe; every wait
+    bounded. The worker is a :class:`Worker` or another ``worker_class`` defined at a module's
+    top level, built from ``kwargs`` in the child after ``env`` is applied; each of its public
+    methods is a command. ``peer.ready(...)`` sends one and waits for its answer;
+    :meth:`post` and :meth:`reply` split the two, so that both sides of a transfer can run at
+    once. ``wait=None`` leaves the start-up reply (:attr:`hello`) to :meth:`started`."""
 
     def __init__(
-        self, env: dict[str, str] | None = None, worker_class: Any = Worker, **kwargs: Any
+        self,
+        env: dict[str, str] | None = None,
+        worker_class: Any = Worker,
+        *,
+        name: str = "worker",
+        wait: float | None = 60.0,
+        **kwargs: Any,
     ) -> None:
+        self.name = name
         context = mp.get_context("spawn")
         self._connection, child = context.Pipe()
         self._process = context.Process(
-            target=_serve, args=(child, kwargs, env or {}, worker_class), daemon=True
+            target=_serve,
+            args=(child, kwargs, env or {}, worker_class),
+            name=f"kvpush-{name}",
+            daemon=True,
         )
         self._process.start()
-        self._address = self._reply(timeout=60.0)
+        child.close()  # so a dead worker reads as EOF here, not as silence
+        self._hello: Any = None
+        self._started = False
+        if wait is not None:
+            self.started(wait)
 
-    def _reply(self, timeout: float = 30.0) -> Any:
-        if not self._connection.poll(timeout):
-            raise TimeoutError("worker process did not answer in time")
-        status, value = self._connection.recv()
-        if status == "error":
-            raise RuntimeError(f"worker process failed:\n{value}")
-        return value
+    def started(self, wait: float = 60.0) -> Any:
+        """Waits (bounded) for the worker to start; returns its :attr:`hello`."""
+        if not self._started:
+            self._hello = self.reply(wait, "start-up")
+            self._started = True
+        return self._hello
+
+    @property
+    def hello(self) -> Any:
+        """The worker's start-up reply: its ``hello()``, or its ``address()``."""
+        return self.started()
 
     def address(self) -> str:
-        return str(self._address)
+        return str(self.hello)
 
     @property
     def pid(self) -> int:
@@ -347,10 +403,39 @@ class RemoteWorker:
         assert pid is not None, "the worker process was never started"
         return pid
 
+    def post(self, command: str, /, *args: Any, **kwargs: Any) -> None:
+        """Sends ``command`` without waiting for its answer (:meth:`reply` takes it)."""
+        self._connection.send((command, args, kwargs))
+
+    def reply(self, wait: float = 60.0, doing: str = "a command") -> Any:
+        """The answer to the oldest command not yet answered; :class:`PeerError` if the worker
+        failed it, exited, or did not answer within ``wait`` seconds."""
+        if not self._connection.poll(wait):
+            raise PeerError(
+                f"{self.name} did not finish {doing} within {wait:.0f} s (stuck?); giving up"
+            )
+        try:
+            status, value = self._connection.recv()
+        except EOFError:
+            self._process.join(timeout=5.0)
+            raise PeerError(
+                f"{self.name} exited (code {self._process.exitcode}) during {doing}"
+            ) from None
+        if status == "error":
+            raise PeerError(f"{self.name} failed during {doing}:\n{value}")
+        return value
+
+    def call(self, command: str, wait: float, doing: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Sends ``command`` and waits (at most ``wait`` seconds) for its answer."""
+        self.post(command, *args, **kwargs)
+        return self.reply(wait, doing)
+
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
         def call(*args: Any, **kwargs: Any) -> Any:
-            self._connection.send((name, args, kwargs))
-            return self._reply(timeout=60.0)
+            return self.call(name, 60.0, name, *args, **kwargs)
 
         return call
 
@@ -359,13 +444,21 @@ class RemoteWorker:
         self._process.kill()
         self._process.join(timeout=10.0)
 
-    def close(self) -> None:
-        if not self._process.is_alive():
-            return
+    def close(self, wait: float = 15.0) -> None:
+        """Closes the worker (its own ``close``), then joins it, killed if it will not end.
+        Answers still owed for commands given up on are read and dropped."""
         try:
-            self._connection.send(("close", (), {}))
-            self._reply(timeout=15.0)
+            if self._process.is_alive():
+                self.post("close")
+                deadline = time.monotonic() + wait
+                while self._process.is_alive() and time.monotonic() < deadline:
+                    if self._connection.poll(0.1):
+                        self._connection.recv()
+        except (EOFError, OSError):
+            pass
         finally:
+            self._connection.close()
             self._process.join(timeout=10.0)
             if self._process.is_alive():
                 self._process.kill()
+                self._process.join(timeout=5.0)

@@ -22,31 +22,31 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvpush.bench import report
+from kvpush_lab.bench import report
 
 STEPS = ("core", "control", "idle", "transfer", "serving")
 
 
 def _core(doc: Path, quick: bool) -> int:
-    from kvpush.bench import core
+    from kvpush_lab.bench import core
 
     return core.main(argparse.Namespace(quick=quick, markdown=str(doc)))
 
 
 def _control(doc: Path, quick: bool) -> int:
-    from kvpush.bench import control
+    from kvpush_lab.bench import control
 
     return control.main(argparse.Namespace(quick=quick, markdown=str(doc), img_dir=None))
 
 
 def _idle(doc: Path, quick: bool) -> int:
-    from kvpush.bench import idle
+    from kvpush_lab.bench import idle
 
     return idle.main(argparse.Namespace(seconds=2.0 if quick else 10.0, markdown=str(doc)))
 
 
 def _transfer(doc: Path, quick: bool) -> int:
-    from kvpush.bench import transfer
+    from kvpush_lab.bench import transfer
 
     sizes = {"gib": 0.05, "repeats": 1} if quick else {"gib": 1.0, "repeats": 3}
     codes = [
@@ -57,7 +57,7 @@ def _transfer(doc: Path, quick: bool) -> int:
 
 
 def _serving(doc: Path, quick: bool) -> int:
-    from kvpush.bench import serving
+    from kvpush_lab.bench import serving
 
     parser = argparse.ArgumentParser()
     serving.add_arguments(parser)

@@ -407,7 +407,7 @@ def _write_tokenizer(directory: Path, bpe_vocab: int, text: str) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``kvpush model make PATH`` (or ``python -m kvpush.model PATH``): make a tiny model."""
+    """``kvpush model make PATH`` (or ``python -m kvpush_lab.model PATH``): make a tiny model."""
     parser = argparse.ArgumentParser(
         prog="kvpush model make",
         description=(

@@ -1,8 +1,8 @@
 """``kvpush demo``: kvpush between a real vLLM prefill server and a real decode server.
 
 On one machine, with nothing downloaded: a tiny random-weight Qwen3 with a locally trained
-tokenizer (:mod:`kvpush.model`), a prefill server P (``kv_producer``) and a decode server D
-(``kv_consumer``) started with :class:`kvpush.vllm.KvPushConnector` (:mod:`kvpush.servers`),
+tokenizer (:mod:`kvpush_lab.model`), a prefill server P (``kv_producer``) and a decode server D
+(``kv_consumer``) started with :class:`kvpush.vllm.KvPushConnector` (:mod:`kvpush_lab.servers`),
 and kvpush's proxy in this process. Streaming completions go through the proxy, a few one at a
 time and then a few at once; the client times each one (request sent, first token received).
 
@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 import kvpush
 from kvpush.proxy import PrefillInstance, ProxyServer
-from kvpush.servers import (
+from kvpush_lab.servers import (
     HOST,
     Metrics,
     ServerError,
@@ -467,7 +467,7 @@ def run(options: DemoOptions, out: TextIO | None = None) -> int:
 
 
 def _run(options: DemoOptions, console: Console) -> int:
-    from kvpush.model import make_tiny_model
+    from kvpush_lab.model import make_tiny_model
 
     demo_started = time.monotonic()
     home = default_home()

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kvpush
-from kvpush.bench.report import Table, bar_chart, cpu_model, line_chart, ratio, replace_section
-from kvpush.bench.serving import (
+from kvpush_lab.bench.report import Table, bar_chart, cpu_model, line_chart, ratio, replace_section
+from kvpush_lab.bench.serving_client import PhaseStats, Sample, summarize
+from kvpush_lab.bench.serving_result import (
     BREAKDOWN,
     CONNECTORS,
     KVPUSH,
@@ -30,14 +31,13 @@ from kvpush.bench.serving import (
     PairRun,
     ServingResult,
 )
-from kvpush.bench.serving_client import PhaseStats, Sample, summarize
 
 E2E_SECTION = "End to end (vLLM)"
 IDLE_SECTION = "Idle cost"
 HANDOVER_GOAL = 0.5  # kvpush's handover at most half of each upstream connector's, at load
 IDLE_GOAL_CORES = 0.01
 #: How the documented runs are started (``kvpush bench serving`` with vLLM's interpreter).
-COMMAND = ".venv-vllm/bin/python -m kvpush.bench.serving"
+COMMAND = ".venv-vllm/bin/python -m kvpush_lab.bench.serving"
 UPSTREAM = (NIXL_PUSH, NIXL_PULL)
 LABELS = {
     KVPUSH: "kvpush",
@@ -634,7 +634,7 @@ P2P_FOOTNOTE = (
 )
 
 E2E_INTRO = """\
-`kvpush bench serving` (`python/kvpush/bench/serving.py`) runs real vLLM servers on this machine:
+`kvpush bench serving` (`lab/kvpush_lab/bench/serving.py`) runs real vLLM servers on this machine:
 a prefill server P confined to core 0 and a decode server D confined to core 1 (each server's
 whole process tree, as if each had a host of its own; `docs/vllm-cpu.md` says why), the tiny local
 model (`kvpush model make`: Qwen3, 2 layers, fp32, random weights), 128-token blocks, D without
