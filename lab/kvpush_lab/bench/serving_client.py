@@ -2,13 +2,14 @@
 
 Owns what happens between the benchmark and one P/D pair, identical for every connector:
 
-* :func:`send` routes one streamed completion itself (no proxy in between, so every connector
-  sees the same client): **push** sends P's leg (``max_tokens=1``) and D's leg at the same
-  moment with one ``X-Request-Id`` and ``transfer_id`` (the bodies are :mod:`kvpush.proxy`'s,
-  the contract kvpush and upstream ``NixlPushConnector`` both read); **pull** (upstream
-  ``NixlConnector``) sends P's leg with ``do_remote_decode`` first and D's leg with the
-  ``kv_transfer_params`` P answered when P's answer arrives. Every request has one deadline;
-  past it both legs' sockets are shut (vLLM then aborts the request) and it counts as failed.
+* :func:`send` routes one streamed completion through kvpush's router core in-process
+  (:mod:`kvpush.router`, the code ``kvpush proxy`` serves; no HTTP hop in between, so every
+  connector sees the same client): **push** sends P's leg (``max_tokens=1``) and D's leg at the
+  same moment with one ``X-Request-Id`` and ``transfer_id``, the contract kvpush and upstream
+  ``NixlPushConnector`` both read; **pull** (upstream ``NixlConnector``) sends P's leg with
+  ``do_remote_decode`` first and D's leg with the ``kv_transfer_params`` P answered. Every
+  request has one deadline; past it both legs are closed (vLLM then aborts the request) and it
+  counts as failed.
 * :func:`arrival_offsets` and :func:`phase_prompts`: the same seed gives the same prompts and
   the same arrival times for every connector;
 * :func:`run_phase`: one phase, one request at a time or open loop at the scheduled times;
@@ -20,37 +21,20 @@ a request's figures are differences of one clock.
 
 from __future__ import annotations
 
-import contextlib
-import http.client
-import json
 import random
-import socket
 import statistics
 import threading
 import time
-import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
-from kvpush.proxy import PrefillInstance, decode_body, prefill_body
+from kvpush.router import Completion, PrefillInstance, RouterThread, Timeouts
 from kvpush_lab.demo_vllm import completion_body, percentile, prompt_token_ids
 
 Routing = Literal["push", "pull"]
 JSON = dict[str, Any]
-
-#: The pull router's P leg (vLLM's ``disagg_proxy`` for ``NixlConnector``): P keeps the blocks
-#: for D to read and answers where they are.
-PULL_PREFILL_PARAMS: JSON = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 @dataclass(frozen=True)
@@ -187,181 +171,51 @@ def phase_prompts(count: int, length: int, vocab: int, seed: int, label: str) ->
 # --- one request -------------------------------------------------------------------------------
 
 
-class _Connection:
-    """One HTTP exchange with a deadline, which another thread may abort at any point."""
-
-    def __init__(self, url: str, deadline: float) -> None:
-        parts = urlsplit(url)
-        self._deadline = deadline
-        self._conn = http.client.HTTPConnection(
-            parts.hostname or "127.0.0.1", parts.port or 80, timeout=self.remaining()
-        )
-        self._lock = threading.Lock()
-        self._aborted = False
-
-    def remaining(self) -> float:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("past the request's deadline")
-        return left
-
-    def post(self, body: JSON, headers: Mapping[str, str]) -> http.client.HTTPResponse:
-        self._conn.connect()
-        with self._lock:
-            if self._aborted:
-                raise ConnectionAbortedError("aborted")
-        self._conn.request(
-            "POST",
-            "/v1/completions",
-            body=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", **headers},
-        )
-        self._arm()
-        return self._conn.getresponse()
-
-    def _arm(self) -> None:
-        """Bounds the next socket wait by what is left of the deadline."""
-        sock = self._conn.sock
-        if sock is not None:
-            sock.settimeout(self.remaining())
-
-    def lines(self, response: http.client.HTTPResponse) -> Iterator[bytes]:
-        while True:
-            self._arm()
-            line = response.readline()
-            if not line:
-                return
-            yield line
-
-    def abort(self) -> None:
-        with self._lock:
-            self._aborted = True
-            sock = self._conn.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._conn.close()
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, TimeoutError | socket.timeout):
-        return "timed out"
-    return f"{type(error).__name__}: {error}"
-
-
-def _error_text(payload: bytes) -> str:
-    text = " ".join(payload.decode(errors="replace").split())
-    return text[:300]
-
-
-def _prefill(
-    body: JSON,
-    headers: Mapping[str, str],
-    sample: Sample,
-    conn: _Connection,
-    on_failure: _Connection | None = None,
-) -> JSON | None:
-    """P's leg: returns P's ``kv_transfer_params`` (or {}), None with ``sample.error`` set.
-    A failed leg aborts ``on_failure`` (a push D leg, which would wait for KV that never comes).
-    """
-    params = None
-    try:
-        response = conn.post(body, headers)
-        payload = response.read()
-        sample.prefill_done = sample.now()
-        if response.status != 200:
-            sample.error = sample.error or f"P: HTTP {response.status}: {_error_text(payload)}"
-            return None
-        params = dict(json.loads(payload).get("kv_transfer_params") or {})
-    except (OSError, http.client.HTTPException, ValueError) as error:
-        sample.error = sample.error or f"P: {_describe(error)}"
-    finally:
-        conn.close()
-        if params is None and on_failure is not None:
-            on_failure.abort()
-    return params
-
-
-def _decode(body: JSON, headers: Mapping[str, str], sample: Sample, conn: _Connection) -> None:
-    """D's leg, streamed: the first and last token's arrival and how many chunks came."""
-    try:
-        response = conn.post(body, {**headers, "Accept": "text/event-stream"})
-        if response.status != 200:
-            sample.error = sample.error or (
-                f"D: HTTP {response.status}: {_error_text(response.read())}"
-            )
-            return
-        done = False
-        for raw in conn.lines(response):
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:") :].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            event = json.loads(data)
-            if "error" in event:
-                sample.error = sample.error or f"D: error event: {json.dumps(event['error'])[:300]}"
-                return
-            if event.get("choices"):
-                now = sample.now()
-                if sample.first_token is None:
-                    sample.first_token = now
-                sample.last_token = now
-                sample.chunks += 1
-        if not done:
-            sample.error = sample.error or "D: the stream ended without [DONE]"
-        elif sample.first_token is None:
-            sample.error = sample.error or "D: no token streamed"
-    except (OSError, http.client.HTTPException, ValueError) as error:
-        sample.error = sample.error or f"D: {_describe(error)}"
-    finally:
-        conn.close()
-
-
-def send(route: Route, body: JSON, sample: Sample, timeout_s: float) -> Sample:
-    """One request through the pair, routed as ``route`` says; never raises, never outlives
-    ``timeout_s`` by more than a join. Errors end up in ``sample.error``."""
-    rid = str(uuid.uuid4())
-    sample.request_id = rid
-    headers = {"X-Request-Id": rid}
-    deadline = time.monotonic() + timeout_s
-    sample.start()
-    p_conn = _Connection(route.prefill.url, deadline)
-    d_conn = _Connection(route.decode_url, deadline)
-    if route.routing == "pull":
-        p_body = {**body, "max_tokens": 1, "stream": False}
-        p_body.pop("stream_options", None)
-        p_body["kv_transfer_params"] = dict(PULL_PREFILL_PARAMS)
-        params = _prefill(p_body, headers, sample, p_conn)
-        if params is None:
-            return sample
-        if not params:
-            sample.error = "P answered no kv_transfer_params"
-            return sample
-        _decode({**body, "kv_transfer_params": params}, headers, sample, d_conn)
-        return sample
-    transfer_id = str(uuid.uuid4())
-    p_leg = prefill_body(body, transfer_id)
-    d_leg = decode_body(body, route.prefill, rid, transfer_id)
-    thread = threading.Thread(
-        target=_prefill,
-        args=(p_leg, headers, sample, p_conn, d_conn),
-        name=f"bench-prefill-{rid[:8]}",
-        daemon=True,
+def _router(route: Route, timeout_s: float) -> RouterThread:
+    """The router core for ``route``'s pair: its P coordinates, its mode, bounds no shorter
+    than a request's deadline (which :func:`send` enforces itself)."""
+    bound = timeout_s + 5.0
+    return RouterThread(
+        [route.prefill],
+        [route.decode_url],
+        mode=route.routing,
+        timeouts=Timeouts(prefill_s=bound, decode_s=bound, client_s=bound),
     )
-    thread.start()
-    _decode(d_leg, headers, sample, d_conn)
-    if not sample.ok:
-        p_conn.abort()  # D failed: P's leg is of no use any more
-    thread.join(max(0.0, deadline - time.monotonic()) + 5.0)
-    if thread.is_alive():
-        p_conn.abort()
-        sample.error = sample.error or "P: no answer by the deadline"
+
+
+def _take(sample: Sample, completion: Completion) -> Sample:
+    """The router's view of one request, on the sample's clock."""
+
+    def at(offset: float | None) -> float | None:
+        return None if offset is None else completion.sent + offset
+
+    sample.request_id = completion.request_id
+    sample.sent, sample.mono_sent = completion.sent, completion.mono_sent
+    sample.prefill_done = at(completion.prefill_s)
+    sample.first_token = at(completion.first_token_s)
+    sample.last_token = at(completion.last_token_s)
+    sample.chunks = completion.chunks
+    if not completion.ok:
+        leg = "P" if completion.failed_leg == "prefill" else "D"
+        sample.error = f"{leg}: {completion.error or 'no token streamed'}"
     return sample
+
+
+def send(
+    route: Route,
+    body: JSON,
+    sample: Sample,
+    timeout_s: float,
+    router: RouterThread | None = None,
+) -> Sample:
+    """One request through the pair, routed as ``route`` says (through ``router``, else a
+    router of its own); never raises, never outlives ``timeout_s`` by much. Errors end up in
+    ``sample.error``, prefixed with the leg that failed (``P:`` or ``D:``)."""
+    if router is None:
+        with _router(route, timeout_s) as own:
+            return send(route, body, sample, timeout_s, own)
+    completion = router.complete({**body, "stream": True}, timeout_s=timeout_s)
+    return _take(sample, completion)
 
 
 # --- one phase ---------------------------------------------------------------------------------
@@ -389,32 +243,33 @@ def run_phase(
     def past_stop(at: float) -> bool:
         return stop_at is not None and at > stop_at
 
-    if offsets is None:
+    with _router(route, timeout_s) as router:
+        if offsets is None:
+            for sample, body in zip(samples, bodies, strict=True):
+                if past_stop(time.monotonic()):
+                    break
+                sent.append(send(route, body, sample, timeout_s, router))
+            return sent
+        threads: list[threading.Thread] = []
+        start = time.monotonic()
         for sample, body in zip(samples, bodies, strict=True):
-            if past_stop(time.monotonic()):
+            if past_stop(start + sample.offset_s):
                 break
-            sent.append(send(route, body, sample, timeout_s))
+            wait = start + sample.offset_s - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            thread = threading.Thread(
+                target=send,
+                args=(route, body, sample, timeout_s, router),
+                name=f"bench-request-{sample.index}",
+                daemon=True,
+            )
+            thread.start()
+            threads.append(thread)
+            sent.append(sample)
+        for thread in threads:
+            thread.join(timeout_s + 10.0)
         return sent
-    threads: list[threading.Thread] = []
-    start = time.monotonic()
-    for sample, body in zip(samples, bodies, strict=True):
-        if past_stop(start + sample.offset_s):
-            break
-        wait = start + sample.offset_s - time.monotonic()
-        if wait > 0:
-            time.sleep(wait)
-        thread = threading.Thread(
-            target=send,
-            args=(route, body, sample, timeout_s),
-            name=f"bench-request-{sample.index}",
-            daemon=True,
-        )
-        thread.start()
-        threads.append(thread)
-        sent.append(sample)
-    for thread in threads:
-        thread.join(timeout_s + 10.0)
-    return sent
 
 
 # --- statistics --------------------------------------------------------------------------------
