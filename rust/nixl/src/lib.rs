@@ -42,12 +42,21 @@
 //! (`sm`/`posix` alone cannot carry NIXL's notifications and backend creation fails). The same
 //! choice can be made per agent with [`AgentConfig::ucx_params`], e.g.
 //! `("engine_config", "TLS=tcp")`.
+//!
+//! The same environment says how long a WRITE's bytes may still land after it ended (over TCP,
+//! until the kernel gives up retransmitting): [`delivery_bound`] reads it, for the endpoint's
+//! `delivery_bound` (see the `delivery` module, [`Carrier`] and [`tls_allows_tcp`]).
 
 mod api;
+mod delivery;
 mod error;
 mod handles;
 mod transport;
 
 pub use api::{Library, CAPI_PATH_ENV, SYMBOLS};
+pub use delivery::{
+    delivery_bound, tcp_retransmission_span, tls_allows_tcp, Carrier, DELIVERY_BOUND_ENV,
+    RDMA_DELIVERY_BOUND,
+};
 pub use error::{LoadError, NixlError, Status};
 pub use transport::{AgentConfig, NixlTransport, Progress, MIN_PROGRESS_INTERVAL_US};

@@ -54,6 +54,7 @@ pub use events::{Cause, Event, Outcome, Reason, Role, Timeline};
 
 use crate::key::TransferKey;
 use crate::layout::KvLayout;
+use crate::loopback::LoopbackTransport;
 use crate::protocol::{BlockGroup, FailReason, Hello, Secret, PROTOCOL_VERSION};
 use crate::rendezvous::{
     Arrival, Cancelled, Epoch, FenceReason, RendezvousError, RendezvousTable, TableConfig,
@@ -101,7 +102,10 @@ pub struct EndpointConfig {
     /// completed or was abandoned locally: over UCX's TCP transport, a WRITE "completes" once the
     /// kernel has the bytes, and a cut link that comes back delivers them until TCP gives up
     /// retransmitting (`net.ipv4.tcp_retries2`); over RDMA, the queue pair's retry budget; over
-    /// a loopback device, nothing. Part of the write horizon. Default 0 (the loopback transport).
+    /// a loopback device, nothing. Part of the write horizon. Default: the loopback transport's
+    /// ([`LoopbackTransport::DELIVERY_BOUND`], 0); an endpoint on NIXL sets
+    /// `kvpush_nixl::delivery_bound()`, which reads UCX's environment (as Python's `Endpoint`
+    /// does).
     pub delivery_bound: Duration,
     /// Listen beyond loopback without a secret (see `SideChannelConfig::allow_insecure`).
     pub allow_insecure: bool,
@@ -127,7 +131,7 @@ impl EndpointConfig {
             heartbeat_interval: Duration::from_secs(1),
             peer_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
-            delivery_bound: Duration::ZERO,
+            delivery_bound: LoopbackTransport::DELIVERY_BOUND,
             allow_insecure: false,
             max_registrations_per_host: 16_384,
         }
