@@ -9,7 +9,7 @@ use kvpush_core::endpoint::{
 use kvpush_core::loopback::LoopbackTransport;
 use kvpush_core::protocol::BlockGroup;
 use kvpush_core::transport::{MemoryRegion, MemorySpace, Transport};
-use kvpush_nixl::{AgentConfig, Library, NixlTransport, Progress};
+use kvpush_nixl::{AgentConfig, Library, NixlTransport};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -261,16 +261,12 @@ impl Endpoint {
                     Some(path) => path,
                     None => py.import("kvpush.nixl")?.call_method0("library_path")?.extract()?,
                 };
-                // By default the writer thread is the agent's only progress engine: it polls every
-                // 200 µs while anything is in flight or awaited. NIXL's own progress thread would
-                // contend with it for UCX's worker lock (measured: P's writer spent most of a 1 GiB
-                // WRITE waiting on that lock; see docs/benchmarks.md).
-                let progress = if nixl_progress_thread {
-                    Progress::Thread { interval_us: kvpush_nixl::MIN_PROGRESS_INTERVAL_US }
+                // The policy (the writer drives progress unless asked) is the NIXL crate's.
+                let agent = if nixl_progress_thread {
+                    AgentConfig::with_progress_thread()
                 } else {
-                    Progress::Caller
+                    AgentConfig::default()
                 };
-                let agent = AgentConfig { progress, ..AgentConfig::default() };
                 native(py, || {
                     let library = Library::load(&path).map_err(Error::from)?;
                     let transport =
