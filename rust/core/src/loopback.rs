@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
 
 use crate::planner::DescriptorRun;
 use crate::sync::lock;
@@ -65,6 +66,10 @@ pub struct LoopbackTransport {
 }
 
 impl LoopbackTransport {
+    /// How long a WRITE's bytes may land after it ended (`EndpointConfig::delivery_bound`):
+    /// never, since the copy is done inside the call that reports the write done.
+    pub const DELIVERY_BOUND: Duration = Duration::ZERO;
+
     /// A new agent called `name`, which must be unique in the process while it lives.
     pub fn new(name: impl Into<String>) -> Result<Self, TransportError> {
         let name = name.into();

@@ -20,13 +20,20 @@
 //!
 //! # Progress
 //!
-//! By default the agent runs NIXL's UCX progress thread with a 1 ms poll interval
-//! ([`Progress::Thread`]): UCX keeps wiring up connections and receiving notifications while the
-//! writer is parked, and the thread sleeps in `poll()` instead of spinning. NIXL's own default
-//! interval is 0, which busy-loops a whole core (two agents took both cores of a 2-core box);
-//! intervals below [`MIN_PROGRESS_INTERVAL_US`] are raised to it. With [`Progress::Caller`] there
-//! is no thread, and only this transport's calls progress UCX: the owner must keep calling
+//! By default ([`AgentConfig::default`], [`Progress::Caller`]) the agent runs no progress
+//! thread: only this transport's calls progress UCX, so the owner must keep calling
 //! `take_notifications` while it waits for anything, or handshakes and notifications stall.
+//! kvpush's writer thread does (every 200 µs while anything is in flight or awaited, at least
+//! every 500 ms when idle), and Python's `Endpoint` uses the same default. NIXL's progress
+//! thread would contend with it: the thread puts the UCX worker in multi-threaded mode behind a
+//! spinlock, and with `cma` the copies run inside worker progress, so P's writer spent most of a
+//! large WRITE waiting on that lock (docs/benchmarks.md).
+//!
+//! [`Progress::Thread`] (e.g. [`AgentConfig::with_progress_thread`]) runs NIXL's UCX progress
+//! thread as well, for owners that park between calls: UCX keeps wiring up connections and
+//! receiving notifications meanwhile, and the thread sleeps in `poll()` between rounds. NIXL's
+//! own default interval is 0, which busy-loops a whole core (two agents took both cores of a
+//! 2-core box); intervals below [`MIN_PROGRESS_INTERVAL_US`] are raised to it.
 //!
 //! Either way the initiator must keep polling a posted write: when the post returned "in
 //! progress" (TCP, RDMA), NIXL sends the write's notification from the poll that sees the data
@@ -42,12 +49,21 @@
 //! (`sm`/`posix` alone cannot carry NIXL's notifications and backend creation fails). The same
 //! choice can be made per agent with [`AgentConfig::ucx_params`], e.g.
 //! `("engine_config", "TLS=tcp")`.
+//!
+//! The same environment says how long a WRITE's bytes may still land after it ended (over TCP,
+//! until the kernel gives up retransmitting): [`delivery_bound`] reads it, for the endpoint's
+//! `delivery_bound` (see the `delivery` module, [`Carrier`] and [`tls_allows_tcp`]).
 
 mod api;
+mod delivery;
 mod error;
 mod handles;
 mod transport;
 
 pub use api::{Library, CAPI_PATH_ENV, SYMBOLS};
+pub use delivery::{
+    delivery_bound, tcp_retransmission_span, tls_allows_tcp, Carrier, DELIVERY_BOUND_ENV,
+    RDMA_DELIVERY_BOUND,
+};
 pub use error::{LoadError, NixlError, Status};
 pub use transport::{AgentConfig, NixlTransport, Progress, MIN_PROGRESS_INTERVAL_US};

@@ -19,7 +19,8 @@ use crate::handles::{AgentCore, NotifMap, OptArgs, Registration, XferDescList, X
 /// `poll()` for `ceil(interval / 1 ms)` milliseconds, so 0 (NIXL's default) busy-loops on a core.
 pub const MIN_PROGRESS_INTERVAL_US: u64 = 1_000;
 
-/// Who drives the agent's UCX progress (connection wire-up, incoming notifications).
+/// Who drives the agent's UCX progress (connection wire-up, incoming notifications, and, with
+/// `cma`, the copies themselves). Default: [`Progress::Caller`]; see the crate docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Progress {
     /// NIXL's progress thread, which sleeps in `poll()` for up to `interval_us` between rounds
@@ -31,14 +32,21 @@ pub enum Progress {
     },
     /// No thread: only this transport's own calls (`take_notifications`, `poll_write`,
     /// `post_write`, `send_notification`) progress UCX, so the owner must keep calling
-    /// `take_notifications` while it waits for anything, handshakes included.
+    /// `take_notifications` while it waits for anything, handshakes included. kvpush's writer
+    /// thread does: every 200 µs while anything is in flight or awaited.
     Caller,
 }
 
-/// How to create the agent.
+impl Progress {
+    /// NIXL's progress thread at the shortest interval accepted.
+    pub const THREAD: Self = Self::Thread { interval_us: MIN_PROGRESS_INTERVAL_US };
+}
+
+/// How to create the agent. The default is what kvpush's endpoints run, from Rust and from
+/// Python alike: no progress thread (the owner drives progress) and UCX's own parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentConfig {
-    /// Who drives progress; default: a thread polling every 1 ms.
+    /// Who drives progress; default: the owner ([`Progress::Caller`]).
     pub progress: Progress,
     /// UCX backend parameters that replace or add to the plugin's defaults, e.g.
     /// `("engine_config", "TLS=tcp")` or `("ucx_devices", "mlx5_0:1")`. Empty: UCX's defaults.
@@ -47,14 +55,16 @@ pub struct AgentConfig {
 
 impl Default for AgentConfig {
     fn default() -> Self {
-        Self {
-            progress: Progress::Thread { interval_us: MIN_PROGRESS_INTERVAL_US },
-            ucx_params: Vec::new(),
-        }
+        Self { progress: Progress::Caller, ucx_params: Vec::new() }
     }
 }
 
 impl AgentConfig {
+    /// The default agent, with NIXL's progress thread ([`Progress::THREAD`]) as well.
+    pub fn with_progress_thread() -> Self {
+        Self { progress: Progress::THREAD, ..Self::default() }
+    }
+
     fn to_c(&self) -> api::AgentConfig {
         let (thread, delay) = match self.progress {
             Progress::Thread { interval_us } => (true, interval_us.max(MIN_PROGRESS_INTERVAL_US)),

@@ -209,12 +209,13 @@ fn scattered_write(tag: &str, config: AgentConfig) {
 
 #[test]
 fn scattered_write_with_progress_thread() {
-    scattered_write("prog", AgentConfig::default());
+    scattered_write("prog", AgentConfig::with_progress_thread());
 }
 
 #[test]
 fn scattered_write_progressed_by_the_caller() {
-    scattered_write("caller", AgentConfig { progress: Progress::Caller, ..AgentConfig::default() });
+    assert_eq!(AgentConfig::default().progress, Progress::Caller, "the default kvpush runs");
+    scattered_write("caller", AgentConfig::default());
 }
 
 /// UCX over TCP only: writes complete asynchronously, and the notification is sent by a poll.
@@ -233,7 +234,8 @@ fn caller_errors_name_what_they_concern() {
     let Some(library) = library() else { return };
     let a_buf = buffer(3);
     let b_buf = buffer(4);
-    let (mut a, mut b) = pair(&library, "errs", &AgentConfig::default(), &a_buf, &b_buf);
+    let config = AgentConfig::with_progress_thread();
+    let (mut a, mut b) = pair(&library, "errs", &config, &a_buf, &b_buf);
     let b_name = b.name().to_owned();
     let one = |dst: u64| [DescriptorRun { src: a_buf.as_ptr() as u64, dst, len: 4096 }];
 
@@ -292,15 +294,16 @@ fn caller_errors_name_what_they_concern() {
     drop(b);
 }
 
-/// Not an assertion (tests do not measure time): how much CPU two idle agents burn, so a
-/// spinning progress thread shows up in the test log.
+/// Not an assertion (tests do not measure time): how much CPU two idle agents with progress
+/// threads burn, so a spinning progress thread shows up in the test log.
 #[test]
 fn idle_agents_cpu_report() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let Some(library) = library() else { return };
     let a_buf = buffer(5);
     let b_buf = buffer(6);
-    let (a, b) = pair(&library, "idle", &AgentConfig::default(), &a_buf, &b_buf);
+    let config = AgentConfig::with_progress_thread();
+    let (a, b) = pair(&library, "idle", &config, &a_buf, &b_buf);
     let cpu = || {
         let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
         let after_comm = stat.rsplit(')').next().unwrap_or_default();

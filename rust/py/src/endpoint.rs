@@ -9,7 +9,7 @@ use kvpush_core::endpoint::{
 use kvpush_core::loopback::LoopbackTransport;
 use kvpush_core::protocol::BlockGroup;
 use kvpush_core::transport::{MemoryRegion, MemorySpace, Transport};
-use kvpush_nixl::{AgentConfig, Library, NixlTransport, Progress};
+use kvpush_nixl::{AgentConfig, Library, NixlTransport};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -137,56 +137,6 @@ impl TransferEvent {
     }
 }
 
-/// Environment variable that overrides [`nixl_delivery_bound`] (seconds).
-const DELIVERY_BOUND_ENV: &str = "KVPUSH_DELIVERY_BOUND";
-
-/// How long UCX may still deliver bytes of a WRITE it reported done or abandoned, read from its
-/// environment and the kernel's TCP settings (`EndpointConfig::delivery_bound`): nothing on a
-/// loopback device; TCP's retransmission span (`net.ipv4.tcp_retries2`, and
-/// `tcp_orphan_retries` for connections closed with data queued) when TCP may carry the data;
-/// otherwise RDMA's default retry budget (UCX_RC_TIMEOUT 1 s x 8 attempts).
-fn nixl_delivery_bound() -> PyResult<Duration> {
-    if let Ok(given) = std::env::var(DELIVERY_BOUND_ENV) {
-        let value: f64 = given.trim().parse().map_err(|_| {
-            PyValueError::new_err(format!("{DELIVERY_BOUND_ENV} must be seconds, not {given:?}"))
-        })?;
-        return seconds(value, DELIVERY_BOUND_ENV);
-    }
-    let devices = std::env::var("UCX_NET_DEVICES").unwrap_or_default();
-    if !devices.is_empty() && devices.split(',').all(|device| device.trim() == "lo") {
-        return Ok(Duration::ZERO);
-    }
-    let transports = std::env::var("UCX_TLS").unwrap_or_default().to_lowercase();
-    let tcp = transports.is_empty()
-        || transports.starts_with('^')
-        || transports.contains("tcp")
-        || transports.contains("all");
-    Ok(if tcp { tcp_retransmission_span() } else { Duration::from_secs(8) })
-}
-
-/// How long the kernel keeps retransmitting a TCP connection's unacknowledged bytes before it
-/// aborts it: the doubling retransmission timeouts from TCP's 200 ms minimum (capped at 120 s),
-/// for the larger of `tcp_retries2` and `tcp_orphan_retries` (0 means 8) in this process's
-/// network namespace.
-fn tcp_retransmission_span() -> Duration {
-    let sysctl = |name: &str| {
-        std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}"))
-            .ok()
-            .and_then(|text| text.trim().parse::<u32>().ok())
-    };
-    let retries = sysctl("tcp_retries2").unwrap_or(15);
-    let orphan = match sysctl("tcp_orphan_retries") {
-        None | Some(0) => 8,
-        Some(n) => n,
-    };
-    (0..=retries.max(orphan).min(64))
-        .map(|i| {
-            Duration::from_millis(200u64.saturating_mul(1 << i.min(20)))
-                .min(Duration::from_secs(120))
-        })
-        .sum()
-}
-
 /// 32 bits no other endpoint of this process, nor likely of any other, picks.
 fn unique_suffix() -> u32 {
     use std::hash::{BuildHasher, Hasher};
@@ -288,8 +238,8 @@ impl Endpoint {
         config.max_registrations_per_host = max_registrations_per_host;
         config.delivery_bound = match (delivery_bound, transport) {
             (Some(seconds_given), _) => seconds(seconds_given, "delivery_bound")?,
-            (None, "nixl") => nixl_delivery_bound()?,
-            (None, _) => Duration::ZERO,
+            (None, "nixl") => kvpush_nixl::delivery_bound().map_err(PyValueError::new_err)?,
+            (None, _) => LoopbackTransport::DELIVERY_BOUND,
         };
         // Unique per process and per endpoint: P counts its peers' agents by name, so two D
         // replicas with one engine id, or a restarted D, must never share one.
@@ -311,16 +261,12 @@ impl Endpoint {
                     Some(path) => path,
                     None => py.import("kvpush.nixl")?.call_method0("library_path")?.extract()?,
                 };
-                // By default the writer thread is the agent's only progress engine: it polls every
-                // 200 µs while anything is in flight or awaited. NIXL's own progress thread would
-                // contend with it for UCX's worker lock (measured: P's writer spent most of a 1 GiB
-                // WRITE waiting on that lock; see docs/benchmarks.md).
-                let progress = if nixl_progress_thread {
-                    Progress::Thread { interval_us: kvpush_nixl::MIN_PROGRESS_INTERVAL_US }
+                // The policy (the writer drives progress unless asked) is the NIXL crate's.
+                let agent = if nixl_progress_thread {
+                    AgentConfig::with_progress_thread()
                 } else {
-                    Progress::Caller
+                    AgentConfig::default()
                 };
-                let agent = AgentConfig { progress, ..AgentConfig::default() };
                 native(py, || {
                     let library = Library::load(&path).map_err(Error::from)?;
                     let transport =

@@ -28,7 +28,8 @@ use crate::sync::lock;
 use crate::transport::{MemoryKind, MemorySpace};
 
 use super::fanout::{self, FanOut};
-use super::writer::{Command, Registration};
+use super::send::Registration;
+use super::writer::Command;
 use super::{Counters, Shared};
 
 /// Longest TTL a peer may ask the table to hold a registration for.

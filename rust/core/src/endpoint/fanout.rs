@@ -22,7 +22,7 @@ use crate::key::TransferKey;
 use crate::rendezvous::{Arrival, Match};
 
 use super::events::{Outcome, Reason};
-use super::writer::{Ready, Registration};
+use super::send::{Ready, Registration};
 use super::Shared;
 
 /// The groups of an endpoint, by transfer key (without slot).

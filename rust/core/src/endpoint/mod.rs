@@ -20,11 +20,26 @@
 //! refusals, aborts and expiries send D a FAIL; D-side deadlines send P a CANCEL and D reports the
 //! request only once P acknowledged it (or is gone), so D never frees blocks a write may still
 //! land in.
+//!
+//! # Modules
+//!
+//! - `control`: the side channel's handler: D's registrations and cancels meet the table on the
+//!   reader thread that received them.
+//! - `writer`: the writer thread's loop, which drives both paths below, and its end.
+//! - `send`: P's send path: a match is planned, fenced by D's lease, posted, polled and
+//!   finished, and reported as one `Send` event.
+//! - `receive`: D's receive path: registration with each P rank, DONEs, FAILs, cancels and
+//!   lost connections, reported as one `Receive` event.
+//! - `fanout` (P) and `awaited` (D): one request's state when P and D run different tensor
+//!   parallel sizes (one P rank written into several D ranks; one D rank fed by several P ranks).
+//! - `events`: what the endpoint reports.
 
+mod awaited;
 mod control;
 mod events;
 mod fanout;
 mod receive;
+mod send;
 mod writer;
 
 use std::net::SocketAddr;
@@ -39,6 +54,7 @@ pub use events::{Cause, Event, Outcome, Reason, Role, Timeline};
 
 use crate::key::TransferKey;
 use crate::layout::KvLayout;
+use crate::loopback::LoopbackTransport;
 use crate::protocol::{BlockGroup, FailReason, Hello, Secret, PROTOCOL_VERSION};
 use crate::rendezvous::{
     Arrival, Cancelled, Epoch, FenceReason, RendezvousError, RendezvousTable, TableConfig,
@@ -86,7 +102,10 @@ pub struct EndpointConfig {
     /// completed or was abandoned locally: over UCX's TCP transport, a WRITE "completes" once the
     /// kernel has the bytes, and a cut link that comes back delivers them until TCP gives up
     /// retransmitting (`net.ipv4.tcp_retries2`); over RDMA, the queue pair's retry budget; over
-    /// a loopback device, nothing. Part of the write horizon. Default 0 (the loopback transport).
+    /// a loopback device, nothing. Part of the write horizon. Default: the loopback transport's
+    /// ([`LoopbackTransport::DELIVERY_BOUND`], 0); an endpoint on NIXL sets
+    /// `kvpush_nixl::delivery_bound()`, which reads UCX's environment (as Python's `Endpoint`
+    /// does).
     pub delivery_bound: Duration,
     /// Listen beyond loopback without a secret (see `SideChannelConfig::allow_insecure`).
     pub allow_insecure: bool,
@@ -112,7 +131,7 @@ impl EndpointConfig {
             heartbeat_interval: Duration::from_secs(1),
             peer_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
-            delivery_bound: Duration::ZERO,
+            delivery_bound: LoopbackTransport::DELIVERY_BOUND,
             allow_insecure: false,
             max_registrations_per_host: 16_384,
         }
@@ -290,7 +309,7 @@ pub struct Stats {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) counters: Counters,
-    pub(crate) table: RendezvousTable<writer::Registration, Arc<writer::Ready>>,
+    pub(crate) table: RendezvousTable<send::Registration, Arc<send::Ready>>,
     /// P: transfers written into several D ranks (see `fanout`). Taken around table operations
     /// on such keys only, never while a table shard is locked.
     pub(crate) fanouts: Mutex<fanout::FanOuts>,
@@ -451,7 +470,7 @@ impl Endpoint {
         let key = TransferKey::for_request(ready.transfer_id.as_deref(), &ready.request_id);
         let now = Instant::now();
         let deadline = now + ready.ttl;
-        let ready = Arc::new(writer::Ready { kv: ready, at: now });
+        let ready = Arc::new(send::Ready { kv: ready, at: now });
         let matches = {
             // Under the groups' lock: a D rank's first slot registration may be creating this
             // transfer's group right now (see `fanout`).

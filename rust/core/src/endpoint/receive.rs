@@ -1,370 +1,570 @@
-//! D: one request awaiting its KV, from one P rank or from several.
+//! D's receive path: from `Endpoint::expect` to the request's `Receive` event.
 //!
-//! When P runs a larger tensor parallel size than D, each of D's ranks holds heads that several
-//! of P's ranks computed, so its KV comes from each of them. Every such P rank is a *leg* of the
-//! receive: D registers with it, and the leg ends with its DONE, its FAIL, its acknowledgement of
-//! a CANCEL, or, once D lost the connection to it, when its write horizon passed (before that a
-//! lost P may still be writing). The receive ends exactly once, after its last leg:
+//! For each P rank an expectation names (a *leg*, see [`awaited`](super::awaited)), the writer
+//! connects to that P if it has no connection yet (on the connector thread, since connecting
+//! blocks), checks that the P rank holds the heads this rank expects from it, and sends the
+//! REGISTER that puts D's blocks in P's table. It then counts the DONE notifications the
+//! transport delivers (each only from the agent the leg registered with, for the current epoch)
+//! and acts on P's FAILs and CANCEL_ACKs. A cancel, a TTL that passed or a leg's failure sends
+//! CANCELs to the legs that may still be written; a P that does not acknowledge within its
+//! write horizon is disconnected, and a lost P is waited out until its horizon passed (the
+//! fence: see `writer`). The receive is reported once, when its last leg is over.
 //!
-//! - *done* when every leg delivered;
-//! - otherwise with the first reason recorded (a leg's failure names the P rank), or
-//!   *quarantined* when any leg's WRITE could not be released, whatever else happened.
-//!
-//! A leg that fails makes D cancel the others, and the receive is reported only once none of
-//! them can still write: nothing lands after "failed", whichever rank failed first.
-//!
-//! This module holds the state and its rules; the writer thread does the I/O they call for
-//! (registering, sending CANCELs, dropping connections) and reports the event.
+//! `awaited` holds the per-request state and its rules; this module does the I/O they call for.
 
-use std::time::Instant;
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Sender};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
-use crate::side_channel::PeerId;
+use crate::protocol::{
+    unix_millis, Cancel, Decoder, Done, FailReason, Limits, Message, Register, Secret,
+};
+use crate::side_channel::{PeerId, PeerInfo};
+use crate::transport::{Notification, Transport};
 
-use super::events::Outcome;
-use super::Expectation;
+use super::awaited::{Awaited, LegState, Stop};
+use super::events::{Event, Outcome, Reason, Role, Timeline};
+use super::writer::{Command, Writer, MAX_HORIZON};
+use super::{Counters, Expectation, Share};
 
-/// Where a leg stands.
+/// A side channel connection to a P, by its address.
 #[derive(Debug)]
-pub(super) enum LegState {
-    /// Waiting for the connection to P: nothing is registered, so nothing can be written.
+enum Source {
     Connecting,
-    /// Registered: P may write.
-    Registered,
-    /// D sent a CANCEL. P must acknowledge it by `deadline` (then D drops the connection so
-    /// that P's lease runs out; `None` once that was done).
-    Cancelling { deadline: Option<Instant> },
-    /// D lost the connection: P may be writing until `until`; `outcome` is the leg's end if
-    /// no DONE arrives before then.
-    Fenced { until: Instant, outcome: Outcome },
-    /// Over: no write of this leg can land any more.
-    Over,
+    Connected(PeerId),
 }
 
-/// One P rank a receive awaits.
-#[derive(Debug)]
-pub(super) struct Leg {
-    /// P's side channel address, `host:port`.
-    pub(super) source: String,
-    /// The connection the registration went on (None while connecting).
-    pub(super) peer: Option<PeerId>,
-    /// The agent name of that P: a DONE from any other agent is not this leg's.
-    pub(super) agent: Option<String>,
-    pub(super) state: LegState,
+/// The receive path's state in the writer.
+pub(super) struct Receives {
+    /// The receives awaited, by D's request id.
+    awaited: HashMap<String, Awaited>,
+    /// Some awaited receive is not fenced (its DONEs may come any moment): poll busily.
+    /// Set by every new expectation, recomputed at each deadline check, so that the poll period
+    /// does not scan `awaited` on every turn of the loop.
+    awaits_kv: bool,
+    sources: HashMap<String, Source>,
+    /// The connector thread's queue and handle, started with the first connection asked for.
+    connect_requests: Option<Sender<String>>,
+    connector: Option<JoinHandle<()>>,
+    /// Checks the DONEs P's WRITEs deliver.
+    decoder: Decoder,
+    /// Notifications taken from the transport (reused between turns).
+    received: Vec<Notification>,
 }
 
-impl Leg {
-    /// Whether P may still write (or register) for this leg without a fence around it.
-    fn is_live(&self) -> bool {
-        matches!(
-            self.state,
-            LegState::Connecting | LegState::Registered | LegState::Cancelling { .. }
-        )
+impl std::fmt::Debug for Receives {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Receives")
+            .field("awaited", &self.awaited.len())
+            .field("sources", &self.sources.len())
+            .finish_non_exhaustive()
     }
 }
 
-/// What the writer must do for a leg that is to stop.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Stop {
-    /// Send P a CANCEL on this connection.
-    Cancel(PeerId),
+impl Receives {
+    pub(super) fn new(secret: Option<Secret>) -> Self {
+        Self {
+            awaited: HashMap::new(),
+            awaits_kv: false,
+            sources: HashMap::new(),
+            connect_requests: None,
+            connector: None,
+            decoder: Decoder::new(secret, Limits::default()),
+            received: Vec::new(),
+        }
+    }
+
+    /// Whether a DONE may come any moment (the writer then polls busily).
+    pub(super) fn awaits_kv(&self) -> bool {
+        self.awaits_kv
+    }
+
+    /// The earliest moment a lost P's horizon passes, while a receive waits for one.
+    pub(super) fn next_fence(&self) -> Option<Instant> {
+        self.awaited.values().filter_map(Awaited::next_fence).min()
+    }
 }
 
-/// D: a request awaiting its KV.
-#[derive(Debug)]
-pub(super) struct Awaited {
-    pub(super) expectation: Expectation,
-    pub(super) key: TransferKey,
-    pub(super) legs: Vec<Leg>,
-    pub(super) bytes: u64,
-    pub(super) runs: u32,
-    pub(super) deadline: Instant,
-    pub(super) registered: Instant,
-    /// The receive's end once its last leg is over; None: done, if every leg delivered.
-    ending: Option<Outcome>,
-}
+impl<T: Transport> Writer<T> {
+    pub(super) fn expect(&mut self, expectation: Expectation, at: Instant) {
+        let mut key =
+            TransferKey::for_request(expectation.transfer_id.as_deref(), &expectation.request_id);
+        if let Some(share) = expectation.share.filter(|share| share.of > 1) {
+            // P writes this transfer into several D ranks, each under its own slot.
+            key = key.slot(share.slot);
+        }
+        let request_id = expectation.request_id.clone();
+        let sources = expectation.sources.clone();
+        // A re-registration (higher epoch) replaces the old wait; P supersedes the old one.
+        self.receives.awaited.insert(request_id.clone(), Awaited::new(expectation, key, at));
+        self.receives.awaits_kv = true;
+        for (leg, source) in sources.into_iter().enumerate() {
+            match self.receives.sources.get(&source) {
+                Some(Source::Connected(peer)) => {
+                    let peer = *peer;
+                    self.register_with(peer, &request_id, leg);
+                }
+                Some(Source::Connecting) => {}
+                None => {
+                    self.receives.sources.insert(source.clone(), Source::Connecting);
+                    self.request_connect(source);
+                }
+            }
+        }
+        self.settle(&request_id);
+    }
 
-impl Awaited {
-    pub(super) fn new(expectation: Expectation, key: TransferKey, at: Instant) -> Self {
-        let legs = expectation
-            .sources
+    fn request_connect(&mut self, source: String) {
+        if self.receives.connect_requests.is_none() {
+            let (requests, queue) = mpsc::channel::<String>();
+            let side_channel = Arc::clone(&self.side_channel);
+            let shared = Arc::clone(&self.shared);
+            let spawned = thread::Builder::new()
+                .name(format!("kvpush-connect-{}", self.engine_id))
+                .spawn(move || {
+                    // Connecting blocks (bounded by the connect timeout), so it runs here
+                    // rather than on the writer, which must keep polling.
+                    for source in queue {
+                        let result =
+                            side_channel.connect(&source).map_err(|error| error.to_string());
+                        if !shared.send(Command::Connected { source, result }) {
+                            break;
+                        }
+                    }
+                });
+            match spawned {
+                Ok(handle) => {
+                    self.receives.connector = Some(handle);
+                    self.receives.connect_requests = Some(requests);
+                }
+                Err(e) => {
+                    self.connected(source, Err(format!("cannot start a connector thread: {e}")));
+                    return;
+                }
+            }
+        }
+        if let Some(requests) = &self.receives.connect_requests {
+            let _ = requests.send(source);
+        }
+    }
+
+    pub(super) fn connected(&mut self, source: String, result: Result<PeerInfo, String>) {
+        let waiting: Vec<(String, usize)> = self
+            .receives
+            .awaited
             .iter()
-            .map(|source| Leg {
-                source: source.clone(),
-                peer: None,
-                agent: None,
-                state: LegState::Connecting,
+            .flat_map(|(id, a)| {
+                a.legs
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, leg)| {
+                        matches!(leg.state, LegState::Connecting) && leg.source == source
+                    })
+                    .map(move |(leg, _)| (id.clone(), leg))
             })
             .collect();
-        Self {
-            deadline: at + expectation.ttl,
-            expectation,
-            key,
-            legs,
-            bytes: 0,
-            runs: 0,
-            registered: at,
-            ending: None,
+        match result {
+            Ok(info) => {
+                self.receives.sources.insert(source, Source::Connected(info.id));
+                for (request_id, leg) in waiting {
+                    self.register_with(info.id, &request_id, leg);
+                }
+            }
+            Err(reason) => {
+                self.receives.sources.remove(&source);
+                for (request_id, leg) in waiting {
+                    let Some(awaited) = self.receives.awaited.get(&request_id) else { continue };
+                    let detail = format!("cannot reach {}: {reason}", awaited.label(leg));
+                    self.end_leg(
+                        &request_id,
+                        leg,
+                        Some(Outcome::failed(Reason::Unreachable, detail)),
+                    );
+                }
+            }
         }
     }
 
-    /// How the details name leg `leg`: its address, and its rank when there are several.
-    pub(super) fn label(&self, leg: usize) -> String {
-        let source = &self.legs[leg].source;
-        if self.legs.len() == 1 {
-            format!("P at {source}")
-        } else {
-            format!("P rank {leg} of {} at {source}", self.legs.len())
+    fn register_with(&mut self, peer: PeerId, request_id: &str, leg: usize) {
+        let agent = self.peers.get(&peer).map(|p| p.name.clone());
+        let mismatch =
+            self.receives.awaited.get(request_id).and_then(|a| self.source_mismatch(peer, a, leg));
+        let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
+        if !matches!(awaited.legs[leg].state, LegState::Connecting) {
+            // Cancelled (or failed) while connecting: nothing to register.
+            return;
+        }
+        if let Some(detail) = mismatch {
+            self.end_leg(request_id, leg, Some(Outcome::failed(Reason::Incompatible, detail)));
+            return;
+        }
+        awaited.legs[leg].peer = Some(peer);
+        awaited.legs[leg].agent = agent;
+        awaited.legs[leg].state = LegState::Registered;
+        let e = &awaited.expectation;
+        let ttl_ms =
+            u64::try_from(awaited.deadline.saturating_duration_since(Instant::now()).as_millis())
+                .unwrap_or(u64::MAX);
+        let register = Register {
+            transfer_key: awaited.key.as_str().to_owned(),
+            request_id: e.request_id.clone(),
+            epoch: e.epoch,
+            engine_id: self.engine_id.clone(),
+            address: self.side_channel.local_addr().to_string(),
+            tp_rank: self.layout.tp_rank,
+            tp_size: self.layout.tp_size,
+            groups: e.groups.clone(),
+            num_tokens: e.num_tokens,
+            ttl_ms,
+            fanout: e.share.map_or(1, |share| share.of),
+        };
+        if let Err(error) = self.side_channel.send(peer, &Message::Register(register)) {
+            // The frame did not go out whole, so P refuses it: nothing can be written.
+            let detail = format!("cannot register with {}: {error}", awaited.label(leg));
+            self.end_leg(request_id, leg, Some(Outcome::failed(Reason::Unreachable, detail)));
         }
     }
 
-    /// Whether the receive has ended (every leg over).
-    pub(super) fn is_over(&self) -> bool {
-        self.legs.iter().all(|leg| matches!(leg.state, LegState::Over))
-    }
-
-    /// Whether the receive's end is decided (it is only waiting for legs to be over).
-    pub(super) fn is_ending(&self) -> bool {
-        self.ending.is_some()
-    }
-
-    /// The receive's outcome, once it is over.
-    pub(super) fn outcome(&mut self) -> Outcome {
-        self.ending.take().unwrap_or(Outcome::Done)
-    }
-
-    /// Whether a DONE may come any moment (some leg is neither fenced nor over).
-    pub(super) fn expects_writes(&self) -> bool {
-        self.legs.iter().any(Leg::is_live)
-    }
-
-    /// The earliest moment a fenced leg's horizon passes.
-    pub(super) fn next_fence(&self) -> Option<Instant> {
-        self.legs
-            .iter()
-            .filter_map(|leg| match leg.state {
-                LegState::Fenced { until, .. } => Some(until),
-                _ => None,
-            })
-            .min()
-    }
-
-    /// The leg registered on connection `peer`.
-    pub(super) fn leg_on(&self, peer: PeerId) -> Option<usize> {
-        self.legs.iter().position(|leg| leg.peer == Some(peer))
-    }
-
-    /// The leg whose P is agent `agent`, while a write of it may still land.
-    pub(super) fn leg_of_agent(&self, agent: &str) -> Option<usize> {
-        self.legs.iter().position(|leg| {
-            leg.agent.as_deref() == Some(agent) && !matches!(leg.state, LegState::Over)
+    /// Why the P rank behind `peer` cannot be leg `leg` of `awaited`: it holds none of this
+    /// rank's heads, or this rank's heads come from a different number of P ranks than the
+    /// expectation names (a router that left out P's tensor parallel size would otherwise get
+    /// half the heads reported done).
+    fn source_mismatch(&self, peer: PeerId, awaited: &Awaited, leg: usize) -> Option<String> {
+        let p = self.peers.get(&peer)?;
+        let mine = self.layout.global_heads();
+        let label = awaited.label(leg);
+        if p.heads.end <= mine.start || mine.end <= p.heads.start {
+            return Some(format!(
+                "{label} holds KV heads {:?} of tp={}, none of this D rank's {mine:?}",
+                p.heads, p.tp_size
+            ));
+        }
+        let (theirs, ours) = (p.heads.end - p.heads.start, mine.end - mine.start);
+        if theirs > ours {
+            // One P rank holds the heads of several D ranks: this one must be its share.
+            let share = awaited.expectation.share.unwrap_or(Share { slot: 0, of: 1 });
+            let expected = Share {
+                slot: u32::try_from((mine.start - p.heads.start) / ours).unwrap_or(u32::MAX),
+                of: u32::try_from(theirs / ours).unwrap_or(u32::MAX),
+            };
+            return (share != expected).then(|| {
+                format!(
+                    "{label} holds KV heads {:?}, the heads of {} D ranks; this rank (heads \
+                     {mine:?}) is share {} of {}, but the request says {} of {}",
+                    p.heads, expected.of, expected.slot, expected.of, share.slot, share.of
+                )
+            });
+        }
+        let per_rank = theirs.max(1);
+        let needed = (mine.end - 1) / per_rank - mine.start / per_rank + 1;
+        let named = awaited.legs.len() as u64;
+        (needed != named).then(|| {
+            format!(
+                "this D rank's KV heads {mine:?} come from {needed} rank(s) of P (tp={}), but the \
+                 request names {named}: the router must pass P's tp_size in kv_transfer_params",
+                p.tp_size
+            )
         })
     }
 
-    /// Records what the receive ends with: the first reason wins, except that a quarantine
-    /// (a WRITE that may still land) overrides everything.
-    pub(super) fn record(&mut self, outcome: Outcome) {
-        match (&self.ending, &outcome) {
-            (_, Outcome::Quarantined(_)) | (None, _) => self.ending = Some(outcome),
+    /// The horizon of the P behind `peer` (the longest one when it is unknown).
+    fn horizon(&self, peer: PeerId) -> Duration {
+        self.peers.get(&peer).map_or(MAX_HORIZON, |p| p.horizon)
+    }
+
+    /// Leg `leg` of `request_id` is over (with `failure`, the receive fails and its other legs
+    /// are cancelled); the receive is reported once its last leg is over.
+    fn end_leg(&mut self, request_id: &str, leg: usize, failure: Option<Outcome>) {
+        let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
+        let stops = awaited.end_leg(leg, failure);
+        self.stop_legs(request_id, &stops);
+        self.settle(request_id);
+    }
+
+    /// The receive ends with `outcome` once no leg can still write: registered legs are
+    /// cancelled, fenced ones wait out their horizons.
+    fn cancel_receive(&mut self, request_id: &str, outcome: Outcome) {
+        let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
+        let stops = awaited.cancel(outcome);
+        self.stop_legs(request_id, &stops);
+        self.settle(request_id);
+    }
+
+    /// Sends the CANCELs `stops` calls for; each P must acknowledge within its horizon.
+    fn stop_legs(&mut self, request_id: &str, stops: &[Stop]) {
+        for &Stop::Cancel(peer) in stops {
+            let deadline = Instant::now() + self.horizon(peer);
+            let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
+            if let Some(leg) = awaited.leg_on(peer) {
+                awaited.legs[leg].state = LegState::Cancelling { deadline: Some(deadline) };
+            }
+            let cancel = Cancel {
+                transfer_key: awaited.key.as_str().to_owned(),
+                request_id: request_id.to_owned(),
+                epoch: awaited.expectation.epoch,
+            };
+            self.send(peer, Message::Cancel(cancel));
+        }
+    }
+
+    pub(super) fn cancel_expectation(&mut self, request_id: &str) {
+        let outcome =
+            Outcome::cancelled(Reason::Cancelled, format!("request {request_id} cancelled by D"));
+        self.cancel_receive(request_id, outcome);
+    }
+
+    /// Reports `request_id`'s receive if its last leg is over.
+    fn settle(&mut self, request_id: &str) {
+        let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
+        if !awaited.is_over() {
+            return;
+        }
+        let outcome = awaited.outcome();
+        self.end_receive(request_id, outcome);
+    }
+
+    fn end_receive(&mut self, request_id: &str, outcome: Outcome) {
+        let Some(awaited) = self.receives.awaited.remove(request_id) else { return };
+        let completed = Instant::now();
+        self.emit(Event {
+            role: Role::Receive,
+            request_id: request_id.to_owned(),
+            key: awaited.key,
+            outcome,
+            bytes: awaited.bytes,
+            runs: awaited.runs,
+            timeline: Timeline {
+                registered: Some(self.seconds(awaited.registered)),
+                completed: Some(self.seconds(completed)),
+                ..Timeline::default()
+            },
+        });
+    }
+
+    /// Takes the transport's notifications (a transport without its own progress thread is
+    /// progressed by this call) and counts the DONEs among them.
+    pub(super) fn take_notifications(&mut self) {
+        if self.transport.take_notifications(&mut self.receives.received).is_err() {
+            Counters::add(&self.shared.counters.transport_errors);
+            return;
+        }
+        let received = std::mem::take(&mut self.receives.received);
+        for notification in &received {
+            // DONEs arrive in completion order, not posting order: see `decode_unordered`.
+            match self.receives.decoder.decode_unordered(&notification.payload, unix_millis()) {
+                Ok(envelope) => {
+                    if let Message::Done(done) = envelope.message {
+                        self.done(&notification.from, done);
+                    }
+                }
+                Err(_) => Counters::add(&self.shared.counters.refused_frames),
+            }
+        }
+        self.receives.received = received;
+        self.receives.received.clear();
+    }
+
+    fn done(&mut self, from: &str, done: Done) {
+        // Only the P agent a leg registered with may end it: a DONE from anyone else, for an
+        // ended receive, or for an older epoch (blocks D has since re-registered) is stray.
+        let leg = self
+            .receives
+            .awaited
+            .get(&done.request_id)
+            .filter(|a| a.key.as_str() == done.transfer_key && a.expectation.epoch == done.epoch)
+            .and_then(|a| a.leg_of_agent(from));
+        let (Some(leg), Some(awaited)) = (leg, self.receives.awaited.get_mut(&done.request_id))
+        else {
+            Counters::add(&self.shared.counters.stray_notifications);
+            return;
+        };
+        awaited.bytes += done.bytes;
+        awaited.runs = awaited.runs.saturating_add(done.runs);
+        // Whatever D wanted since (a cancel, another rank's failure), this leg's KV is here.
+        self.end_leg(&done.request_id, leg, None);
+    }
+
+    /// A control message from P for D's receives: a FAIL or a CANCEL_ACK ends its leg.
+    pub(super) fn peer_message(&mut self, peer: PeerId, message: Message) {
+        match message {
+            Message::Fail(fail) => {
+                let Some(awaited) = self
+                    .receives
+                    .awaited
+                    .get(&fail.request_id)
+                    .filter(|a| a.expectation.epoch == fail.epoch)
+                else {
+                    return;
+                };
+                let Some(leg) = awaited
+                    .leg_on(peer)
+                    .filter(|&leg| !matches!(awaited.legs[leg].state, LegState::Over))
+                else {
+                    return;
+                };
+                let detail =
+                    format!("{}: {} ({})", awaited.label(leg), fail.detail, fail.reason.as_str());
+                let outcome = match fail.reason {
+                    // P's WRITE may still be landing: whatever D wanted, the blocks stay held.
+                    FailReason::Quarantined => Outcome::quarantined(detail),
+                    reason => Outcome::failed(Reason::of_fail(&reason), detail),
+                };
+                self.end_leg(&fail.request_id, leg, Some(outcome));
+            }
+            Message::CancelAck(ack) => {
+                let leg = self
+                    .receives
+                    .awaited
+                    .get(&ack.request_id)
+                    .filter(|a| a.expectation.epoch == ack.epoch)
+                    .and_then(|a| a.leg_on(peer))
+                    .filter(|&leg| {
+                        matches!(
+                            self.receives.awaited[&ack.request_id].legs[leg].state,
+                            LegState::Cancelling { .. }
+                        )
+                    });
+                if let Some(leg) = leg {
+                    self.end_leg(&ack.request_id, leg, None);
+                }
+            }
+            // Error replies, stray DONEs on the side channel: nothing is waiting on them.
             _ => {}
         }
     }
 
-    /// Leg `leg` is over; with `failure`, the receive fails (first reason wins) and every other
-    /// live leg must stop: the CANCELs to send are returned.
-    pub(super) fn end_leg(&mut self, leg: usize, failure: Option<Outcome>) -> Vec<Stop> {
-        self.legs[leg].state = LegState::Over;
-        match failure {
-            Some(outcome) => {
-                self.record(outcome);
-                self.stop_all()
-            }
-            None => Vec::new(),
+    /// The connection `peer` to a P closed at `at`. A lost connection is not proof that P
+    /// stopped: P writes only while our proof of life is fresh, and we stopped giving it when
+    /// the connection closed, so its legs end once P's `horizon` passed since `at`.
+    pub(super) fn fence_receives(
+        &mut self,
+        peer: PeerId,
+        reason: &str,
+        at: Instant,
+        horizon: Duration,
+    ) {
+        self.receives
+            .sources
+            .retain(|_, source| !matches!(source, Source::Connected(p) if *p == peer));
+        for (request_id, awaited) in &mut self.receives.awaited {
+            let Some(leg) = awaited.leg_on(peer) else { continue };
+            let outcome = Outcome::failed(
+                Reason::PeerLost,
+                format!(
+                    "lost {} for request {request_id}: {reason}; reported once P's write horizon \
+                     ({horizon:.1?}) had passed, so no write of P's can still land",
+                    awaited.label(leg)
+                ),
+            );
+            awaited.fence(peer, at + horizon, &outcome);
         }
     }
 
-    /// The receive ends with `outcome` (unless it already ends otherwise): every live leg
-    /// stops. Legs not registered yet are over at once; registered ones are cancelled; fenced
-    /// ones wait out their horizons.
-    pub(super) fn cancel(&mut self, outcome: Outcome) -> Vec<Stop> {
-        self.record(outcome);
-        self.stop_all()
-    }
-
-    fn stop_all(&mut self) -> Vec<Stop> {
-        let mut stops = Vec::new();
-        for leg in &mut self.legs {
-            match (&leg.state, leg.peer) {
-                (LegState::Connecting, _) => leg.state = LegState::Over,
-                (LegState::Registered, Some(peer)) => {
-                    // The deadline is set by the writer, which knows P's horizon.
-                    leg.state = LegState::Cancelling { deadline: None };
-                    stops.push(Stop::Cancel(peer));
-                }
-                (LegState::Registered, None) => leg.state = LegState::Over,
-                _ => {}
+    /// D's deadlines: receives whose TTL passed are cancelled, fenced legs whose horizon passed
+    /// end, and a P that left a CANCEL unacknowledged past its horizon is disconnected.
+    pub(super) fn check_receives(&mut self, now: Instant) {
+        self.receives.awaits_kv = self.receives.awaited.values().any(Awaited::expects_writes);
+        if self.receives.awaited.is_empty() {
+            return;
+        }
+        let mut unacknowledged = Vec::new();
+        let mut due = Vec::new();
+        for (request_id, awaited) in &mut self.receives.awaited {
+            let stops = awaited.fences_passed(now);
+            unacknowledged.extend(awaited.unacknowledged(now));
+            let late = !awaited.is_ending() && awaited.deadline <= now;
+            if !stops.is_empty() || late || awaited.is_over() {
+                due.push((request_id.clone(), stops, late));
             }
         }
-        stops
-    }
-
-    /// The connection `peer` closed at `at`: its legs are fenced until `until`, ending with
-    /// `outcome` unless a DONE comes first.
-    pub(super) fn fence(&mut self, peer: PeerId, until: Instant, outcome: &Outcome) {
-        for leg in &mut self.legs {
-            if leg.peer == Some(peer)
-                && matches!(leg.state, LegState::Registered | LegState::Cancelling { .. })
-            {
-                leg.state = LegState::Fenced { until, outcome: outcome.clone() };
+        for (request_id, stops, late) in due {
+            self.stop_legs(&request_id, &stops);
+            if late {
+                let Some(awaited) = self.receives.awaited.get(&request_id) else { continue };
+                let detail =
+                    format!("no KV for request {request_id} within {:?}", awaited.expectation.ttl);
+                // Free nothing until every P confirmed no write can land (or its horizon passed).
+                self.cancel_receive(&request_id, Outcome::failed(Reason::Expired, detail));
             }
+            self.settle(&request_id);
+        }
+        // P did not answer a CANCEL within its horizon: stop proving we are alive to it, so that
+        // its lease runs out; the horizon then runs from the disconnect (see `fence_receives`).
+        for peer in unacknowledged {
+            self.side_channel.disconnect(peer);
         }
     }
 
-    /// Ends the legs whose horizon passed by `now`; returns the CANCELs this calls for.
-    pub(super) fn fences_passed(&mut self, now: Instant) -> Vec<Stop> {
-        let mut stops = Vec::new();
-        for leg in 0..self.legs.len() {
-            let passed = match &self.legs[leg].state {
-                LegState::Fenced { until, outcome } if *until <= now => Some(outcome.clone()),
-                _ => None,
-            };
-            if let Some(outcome) = passed {
-                stops.extend(self.end_leg(leg, Some(outcome)));
+    /// The writer died at `at` (see `Writer::die`), its peers disconnected: every receive fails,
+    /// once each of its registered P ranks' horizons passed (unregistered legs are over now).
+    pub(super) fn fail_receives(&mut self, reason: &str, at: Instant) {
+        let ids: Vec<String> = self.receives.awaited.keys().cloned().collect();
+        for request_id in ids {
+            let Some(awaited) = self.receives.awaited.get(&request_id) else { continue };
+            let horizons: Vec<(PeerId, Instant)> = awaited
+                .legs
+                .iter()
+                .filter_map(|leg| leg.peer)
+                .map(|peer| (peer, at + self.horizon(peer)))
+                .collect();
+            let Some(awaited) = self.receives.awaited.get_mut(&request_id) else { continue };
+            let outcome = Outcome::failed(
+                Reason::WriterDied,
+                format!("{reason}; reported after P's write horizon"),
+            );
+            // Unregistered legs are over; registered ones may be written until the horizon.
+            let _ = awaited.cancel(outcome.clone());
+            for (peer, until) in horizons {
+                awaited.fence(peer, until, &outcome);
             }
+            self.settle(&request_id);
         }
-        stops
     }
 
-    /// The connections whose CANCEL went unacknowledged past its deadline (each reported once).
-    pub(super) fn unacknowledged(&mut self, now: Instant) -> Vec<PeerId> {
-        let mut peers = Vec::new();
-        for leg in &mut self.legs {
-            if let LegState::Cancelling { deadline } = &mut leg.state {
-                if deadline.is_some_and(|d| d <= now) {
-                    *deadline = None;
-                    peers.extend(leg.peer);
-                }
+    /// A dead writer's answer to a new expectation: it fails at once (nothing was registered).
+    pub(super) fn refuse_expectation(&mut self, expectation: Expectation, reason: &str) {
+        let detail = format!("request {}: {reason}", expectation.request_id);
+        self.receives.awaited.remove(&expectation.request_id);
+        self.emit(Event {
+            role: Role::Receive,
+            key: TransferKey::for_request(
+                expectation.transfer_id.as_deref(),
+                &expectation.request_id,
+            ),
+            request_id: expectation.request_id,
+            outcome: Outcome::failed(Reason::WriterDied, detail),
+            bytes: 0,
+            runs: 0,
+            timeline: Timeline::default(),
+        });
+    }
+
+    /// A dead writer's receives whose last horizon passed by `now` are reported. No CANCEL goes
+    /// out: the peers were disconnected.
+    pub(super) fn pass_fences(&mut self, now: Instant) {
+        let ids: Vec<String> = self.receives.awaited.keys().cloned().collect();
+        for request_id in ids {
+            if let Some(awaited) = self.receives.awaited.get_mut(&request_id) {
+                let _ = awaited.fences_passed(now);
             }
+            self.settle(&request_id);
         }
-        peers
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::*;
-    use crate::endpoint::events::Reason;
-
-    fn awaited(sources: &[&str]) -> Awaited {
-        let expectation = Expectation {
-            request_id: "r".into(),
-            transfer_id: None,
-            sources: sources.iter().map(|s| (*s).to_owned()).collect(),
-            groups: Vec::new(),
-            num_tokens: 1,
-            epoch: 1,
-            ttl: Duration::from_secs(1),
-            share: None,
-        };
-        Awaited::new(expectation, TransferKey::from_canonical("r"), Instant::now())
     }
 
-    fn register(a: &mut Awaited, leg: usize, peer: PeerId) {
-        a.legs[leg].peer = Some(peer);
-        a.legs[leg].agent = Some(format!("p{leg}"));
-        a.legs[leg].state = LegState::Registered;
-    }
-
-    fn failed(detail: &str) -> Outcome {
-        Outcome::failed(Reason::WriteError, detail)
-    }
-
-    #[test]
-    fn done_only_after_every_leg_delivered() {
-        let mut a = awaited(&["p0:1", "p1:2"]);
-        register(&mut a, 0, 1);
-        register(&mut a, 1, 2);
-        assert!(a.end_leg(0, None).is_empty());
-        assert!(!a.is_over());
-        assert!(a.expects_writes());
-        a.end_leg(1, None);
-        assert!(a.is_over());
-        assert_eq!(a.outcome(), Outcome::Done);
-    }
-
-    #[test]
-    fn a_failed_leg_cancels_the_others_and_ends_the_receive_after_them() {
-        let mut a = awaited(&["p0:1", "p1:2", "p2:3"]);
-        register(&mut a, 0, 1);
-        register(&mut a, 1, 2);
-        register(&mut a, 2, 3);
-        a.end_leg(2, None);
-        let stops = a.end_leg(0, Some(failed("rank 0 broke")));
-        assert_eq!(stops, vec![Stop::Cancel(2)], "only the leg that may still write");
-        assert!(!a.is_over(), "rank 1 may still be writing");
-        // Rank 1's DONE beat the cancel: the receive still failed, with rank 0's reason.
-        let leg = a.leg_of_agent("p1").expect("rank 1 is awaited");
-        a.end_leg(leg, None);
-        assert!(a.is_over());
-        assert_eq!(a.outcome(), failed("rank 0 broke"));
-    }
-
-    #[test]
-    fn quarantine_overrides_an_earlier_failure() {
-        let mut a = awaited(&["p0:1", "p1:2"]);
-        register(&mut a, 0, 1);
-        register(&mut a, 1, 2);
-        a.end_leg(0, Some(failed("first")));
-        a.end_leg(1, Some(Outcome::quarantined("stuck")));
-        assert_eq!(a.outcome(), Outcome::quarantined("stuck"));
-    }
-
-    #[test]
-    fn a_lost_leg_ends_at_its_horizon_unless_its_done_comes_first() {
-        let now = Instant::now();
-        let lost = failed("lost");
-        let mut a = awaited(&["p0:1", "p1:2"]);
-        register(&mut a, 0, 1);
-        register(&mut a, 1, 2);
-        a.fence(1, now + Duration::from_secs(5), &lost);
-        assert_eq!(a.next_fence(), Some(now + Duration::from_secs(5)));
-        assert!(a.fences_passed(now).is_empty(), "inside the horizon");
-        a.end_leg(1, None);
-        // The lost rank's DONE still completes its leg inside the horizon.
-        a.end_leg(a.leg_of_agent("p0").expect("fenced legs accept their DONE"), None);
-        assert_eq!(a.outcome(), Outcome::Done);
-
-        let mut b = awaited(&["p0:1", "p1:2"]);
-        register(&mut b, 0, 1);
-        register(&mut b, 1, 2);
-        b.fence(1, now, &lost);
-        assert_eq!(b.fences_passed(now), vec![Stop::Cancel(2)]);
-        b.end_leg(1, None);
-        assert_eq!(b.outcome(), lost);
-    }
-
-    #[test]
-    fn a_cancel_ends_unregistered_legs_at_once_and_cancels_registered_ones() {
-        let mut a = awaited(&["p0:1", "p1:2"]);
-        register(&mut a, 1, 2);
-        let cancelled = Outcome::cancelled(Reason::Cancelled, "by D");
-        assert_eq!(a.cancel(cancelled.clone()), vec![Stop::Cancel(2)]);
-        assert!(matches!(a.legs[0].state, LegState::Over));
-        // A failure after the cancel does not change what the receive ends with.
-        a.end_leg(1, Some(failed("late")));
-        assert_eq!(a.outcome(), cancelled);
-    }
-
-    #[test]
-    fn unacknowledged_cancels_are_reported_once() {
-        let now = Instant::now();
-        let mut a = awaited(&["p0:1"]);
-        register(&mut a, 0, 7);
-        a.cancel(Outcome::cancelled(Reason::Cancelled, "by D"));
-        a.legs[0].state = LegState::Cancelling { deadline: Some(now) };
-        assert_eq!(a.unacknowledged(now), vec![7]);
-        assert!(a.unacknowledged(now).is_empty());
+    /// The endpoint closes: every receive still awaited fails, and the connector thread ends
+    /// after its current attempt.
+    pub(super) fn close_receives(&mut self) {
+        let awaited: Vec<String> = self.receives.awaited.keys().cloned().collect();
+        for request_id in awaited {
+            self.end_receive(&request_id, Outcome::failed(Reason::Closed, "the endpoint closed"));
+        }
+        // Closing the request queue ends the connector thread after its current attempt.
+        self.receives.connect_requests = None;
+        if let Some(connector) = self.receives.connector.take() {
+            let _ = connector.join();
+        }
     }
 }
