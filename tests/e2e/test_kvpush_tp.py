@@ -45,11 +45,11 @@ pytestmark = [
     ),
 ]
 
-# One request of 3 blocks, the last one partial. Known bug, not yet understood: on this 2-vCPU
-# VM a later request's WRITEs from P's two ranks sometimes never complete (a second request
-# stalled in 4 of 8 runs, the first in none; the VM is paused by its host for tens of seconds
-# under this load, see TIMEOUTS, and the same three-process transfers in scripts/gpu-check never
-# stall). KVPUSH_E2E_TP_PROMPTS=300,1000,2100 runs more.
+# One request of 3 blocks, the last one partial. Open bug, not yet understood: on this 2-vCPU VM
+# a later request's WRITEs from P's two ranks could stay in progress until P abandoned them. It
+# stalled a second request in 4 of 4 runs on the commit before the workers waited on idle steps
+# (engines no longer spin while a transfer is pending), and in 0 of 4 runs of five requests
+# since (docs/operations.md). KVPUSH_E2E_TP_PROMPTS=300,1000,2100,600,1500 runs five.
 SEQUENTIAL = tuple(int(n) for n in os.environ.get("KVPUSH_E2E_TP_PROMPTS", "300").split(","))
 PREFILL_ENGINE_ID = "kvpush-e2e-prefill-tp2"
 # P's two ranks spin on both cores through every all-reduce (vLLM CPU's shared-memory
