@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from tests.e2e.test_kvpush_pair import (
     Pair,
     assert_same,
     behind_proxy,
-    kvpush_config,
+    kvpush_servers,
     single_answers,
 )
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
@@ -100,27 +99,7 @@ def reference(tiny_model: Path, prompts: dict[int, list[int]], logs: Path) -> di
 
 @pytest.fixture(scope="module")
 def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
-
-    secret = secrets.token_hex(16)
-    prefill = VllmServer(
-        "prefill",
-        tiny_model,
-        logs,
-        cpu="0",
-        kv_transfer_config={
-            **kvpush_config("kv_producer", secret),
-            "engine_id": PREFILL_ENGINE_ID,
-        },
-        extra_args=["--block-size", str(BLOCK)],
-    )
-    decode = VllmServer(
-        "decode",
-        tiny_model,
-        logs,
-        cpu="1",
-        kv_transfer_config=kvpush_config("kv_consumer", secret),
-        extra_args=["--no-enable-prefix-caching", "--block-size", str(BLOCK)],
-    )
+    prefill, decode = kvpush_servers(tiny_model, logs, PREFILL_ENGINE_ID, blocks=(BLOCK, BLOCK))
     with behind_proxy(prefill, decode, PREFILL_ENGINE_ID) as pair:
         yield pair
 

@@ -129,29 +129,39 @@ def single_answers(
         }
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
-
+def kvpush_servers(
+    model: Path,
+    logs: Path,
+    engine_id: str,
+    *,
+    names: tuple[str, str] = ("prefill", "decode"),
+    blocks: tuple[int, int] = (P_BLOCK, D_BLOCK),
+) -> tuple[VllmServer, VllmServer]:
+    """P (engine ``engine_id``, core 0) and D (core 1) with kvpush's connector and one fresh
+    shared secret, D without prefix caching (so every prompt token must come from P)."""
     secret = secrets.token_hex(16)
     prefill = VllmServer(
-        "prefill",
-        tiny_model,
+        names[0],
+        model,
         logs,
         cpu="0",
-        kv_transfer_config={
-            **kvpush_config("kv_producer", secret),
-            "engine_id": PREFILL_ENGINE_ID,
-        },
-        extra_args=["--block-size", str(P_BLOCK)],
+        kv_transfer_config={**kvpush_config("kv_producer", secret), "engine_id": engine_id},
+        extra_args=["--block-size", str(blocks[0])],
     )
     decode = VllmServer(
-        "decode",
-        tiny_model,
+        names[1],
+        model,
         logs,
         cpu="1",
         kv_transfer_config=kvpush_config("kv_consumer", secret),
-        extra_args=["--no-enable-prefix-caching", "--block-size", str(D_BLOCK)],
+        extra_args=["--no-enable-prefix-caching", "--block-size", str(blocks[1])],
     )
+    return prefill, decode
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
+    prefill, decode = kvpush_servers(tiny_model, logs, PREFILL_ENGINE_ID)
     with behind_proxy(prefill, decode, PREFILL_ENGINE_ID) as pair:
         yield pair
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,10 +45,8 @@ from tests.e2e.routers import (
     post_completion,
 )
 from tests.e2e.test_kvpush_pair import (
-    D_BLOCK,
-    P_BLOCK,
     assert_same,
-    kvpush_config,
+    kvpush_servers,
     single_answers,
 )
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
@@ -113,25 +110,8 @@ class Pair:
 @pytest.fixture(scope="module")
 def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
     """P and D as ``test_kvpush_pair`` starts them, with no router of kvpush's in front."""
-    secret = secrets.token_hex(16)
-    prefill = VllmServer(
-        "prefill-routers",
-        tiny_model,
-        logs,
-        cpu="0",
-        kv_transfer_config={
-            **kvpush_config("kv_producer", secret),
-            "engine_id": PREFILL_ENGINE_ID,
-        },
-        extra_args=["--block-size", str(P_BLOCK)],
-    )
-    decode = VllmServer(
-        "decode-routers",
-        tiny_model,
-        logs,
-        cpu="1",
-        kv_transfer_config=kvpush_config("kv_consumer", secret),
-        extra_args=["--no-enable-prefix-caching", "--block-size", str(D_BLOCK)],
+    prefill, decode = kvpush_servers(
+        tiny_model, logs, PREFILL_ENGINE_ID, names=("prefill-routers", "decode-routers")
     )
     with running(prefill, decode):
         yield Pair(prefill, decode)
