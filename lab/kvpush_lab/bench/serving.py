@@ -16,8 +16,9 @@ process group, :mod:`kvpush_lab.bench.serving_cpu`), warm up (handshakes), then 
 each prompt length one request at a time, then open-loop Poisson arrivals at multiples of P's
 capacity at one length (one rate below capacity, one above: P saturates and queues). Then idle
 again (connections now established), and stop. The same seed gives the same prompts and the
-same arrival times for every connector. The client routes every request itself
-(:mod:`kvpush_lab.bench.serving_client`), so all connectors see the same client.
+same arrival times for every connector. The client routes every request through kvpush's
+router core in-process (:mod:`kvpush_lab.bench.serving_client` on :mod:`kvpush.router`, the code
+``kvpush proxy`` serves, in push or pull mode), so all connectors see the same client.
 
 Per phase: TTFT (request sent → first token streamed by D), TPOT (mean time between tokens
 after the first), and the **handover**: D's first token minus P's answer (P answers when its

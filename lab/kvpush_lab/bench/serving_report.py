@@ -647,7 +647,8 @@ greedy, `ignore_eos`. Each pair's phases share a time budget ({budget:g} s, spli
 phases left; a load phase may send for at least {min_phase:g} s), so a connector whose requests
 take tens of seconds sends fewer of them (`not sent` below) instead of stretching the run.
 
-The bench client routes every request itself, so all connectors see the same client. **Push**
+The bench client routes every request through kvpush's router core in-process
+(`kvpush.router`, the code `kvpush proxy` serves), so all connectors see the same router. **Push**
 (kvpush and upstream `NixlPushConnector`): P's leg (`max_tokens` 1, `do_remote_decode`) and D's
 leg (P's coordinates, one `X-Request-Id` and `transfer_id`) go out at the same moment.
 **Pull** (`NixlConnector`, vLLM's default): P's leg first; D's leg, with the
