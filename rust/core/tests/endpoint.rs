@@ -76,7 +76,7 @@ impl Cache {
         tune: impl FnOnce(&mut EndpointConfig),
     ) -> Endpoint {
         let inner = LoopbackTransport::new(name).unwrap().with_polls_until_done(2);
-        let mut transport = Faulty { inner, fault, stuck: Vec::new() };
+        let mut transport = Faulty { inner, fault, stuck: Vec::new(), slow: Vec::new() };
         let region = MemoryRegion {
             addr: self.memory.as_ptr() as u64,
             len: self.memory.len() as u64,
@@ -101,6 +101,9 @@ enum Fault {
     StuckWrites,
     /// Posting a WRITE panics (a bug in the writer's thread).
     PanicOnPost,
+    /// Every WRITE stays in progress for this long after its post (a slow link, a paused
+    /// host), then completes.
+    SlowWrites(Duration),
 }
 
 /// The loopback transport with a fault injected.
@@ -108,6 +111,8 @@ struct Faulty {
     inner: LoopbackTransport,
     fault: Fault,
     stuck: Vec<WriteId>,
+    /// `SlowWrites`: when each posted WRITE may complete.
+    slow: Vec<(WriteId, Instant)>,
 }
 
 impl Transport for Faulty {
@@ -137,13 +142,16 @@ impl Transport for Faulty {
     ) -> Result<WriteId, TransportError> {
         assert!(self.fault != Fault::PanicOnPost, "injected: the writer thread panics");
         let write = self.inner.post_write(peer, runs, local, remote, notification)?;
-        if self.fault == Fault::StuckWrites {
-            self.stuck.push(write);
+        match self.fault {
+            Fault::StuckWrites => self.stuck.push(write),
+            Fault::SlowWrites(delay) => self.slow.push((write, Instant::now() + delay)),
+            Fault::None | Fault::PanicOnPost => {}
         }
         Ok(write)
     }
     fn poll_write(&mut self, write: WriteId) -> Result<WriteState, TransportError> {
-        if self.stuck.contains(&write) {
+        let slow = self.slow.iter().any(|&(w, at)| w == write && Instant::now() < at);
+        if slow || self.stuck.contains(&write) {
             return Ok(WriteState::InProgress);
         }
         self.inner.poll_write(write)
@@ -212,6 +220,37 @@ fn events(endpoint: &Endpoint, count: usize) -> Vec<Event> {
         out.extend(endpoint.wait(Duration::from_millis(50)));
     }
     out
+}
+
+#[test]
+fn a_write_slower_than_the_clock_skew_still_ends_the_receive_done() {
+    // A DONE is signed when its WRITE is posted and arrives when the WRITE completes. Here the
+    // WRITE takes 2.5 s against a 1 s clock skew, within P's 10 s write timeout: D must take
+    // the DONE (it used to refuse it as stale and wait out the receive's TTL).
+    let skew = |config: &mut EndpointConfig| config.limits.max_clock_skew = Duration::from_secs(1);
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p =
+        p_cache.endpoint_with("ep-p-slow", Fault::SlowWrites(Duration::from_millis(2_500)), skew);
+    let d = d_cache.endpoint_with("ep-d-slow", Fault::None, skew);
+    d.expect(expectation(&p, "cmpl-slow-0-11111111", &[4, 5], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    p.ready(ready("cmpl-slow-0-22222222", &[1, 2], 20)).unwrap();
+
+    let received = events(&d, 1);
+    assert_eq!(received.len(), 1, "D's receive did not end: {received:?}");
+    assert_eq!(received[0].outcome, Outcome::Done, "{received:?}");
+    let sent = events(&p, 1);
+    assert!(sent.iter().all(|e| e.outcome == Outcome::Done), "{sent:?}");
+    drop((p, d));
+    for region in 0..REGIONS {
+        for token in 0..20 {
+            let src = p_cache.offset(region, &[1, 2], 0, token);
+            let dst = d_cache.offset(region, &[4, 5], 0, token);
+            let n = TOKEN_BYTES as usize;
+            assert_eq!(d_cache.memory[dst..dst + n], p_cache.memory[src..src + n]);
+        }
+    }
 }
 
 #[test]

@@ -55,7 +55,7 @@ pub use events::{Cause, Event, Outcome, Reason, Role, Timeline};
 use crate::key::TransferKey;
 use crate::layout::KvLayout;
 use crate::loopback::LoopbackTransport;
-use crate::protocol::{BlockGroup, FailReason, Hello, Secret, PROTOCOL_VERSION};
+use crate::protocol::{BlockGroup, FailReason, Hello, Limits, Secret, PROTOCOL_VERSION};
 use crate::rendezvous::{
     Arrival, Cancelled, Epoch, FenceReason, RendezvousError, RendezvousTable, TableConfig,
 };
@@ -112,6 +112,9 @@ pub struct EndpointConfig {
     /// Most registrations the D peers of one host may hold in P's table at once (a quarter of
     /// the table by default: 16,384).
     pub max_registrations_per_host: usize,
+    /// What control frames and notifications may be: sizes, and the clock skew signed frames
+    /// may show (`Limits::default()`).
+    pub limits: Limits,
 }
 
 impl EndpointConfig {
@@ -134,6 +137,7 @@ impl EndpointConfig {
             delivery_bound: LoopbackTransport::DELIVERY_BOUND,
             allow_insecure: false,
             max_registrations_per_host: 16_384,
+            limits: Limits::default(),
         }
     }
 
@@ -423,6 +427,7 @@ impl Endpoint {
         side_config.peer_timeout = config.peer_timeout;
         side_config.connect_timeout = config.connect_timeout;
         side_config.allow_insecure = config.allow_insecure;
+        side_config.limits = config.limits;
         let side_channel =
             Arc::new(SideChannel::start(side_config, hello, control).map_err(|source| {
                 match source.kind() {

@@ -65,14 +65,14 @@ impl std::fmt::Debug for Receives {
 }
 
 impl Receives {
-    pub(super) fn new(secret: Option<Secret>) -> Self {
+    pub(super) fn new(secret: Option<Secret>, limits: Limits) -> Self {
         Self {
             awaited: HashMap::new(),
             awaits_kv: false,
             sources: HashMap::new(),
             connect_requests: None,
             connector: None,
-            decoder: Decoder::new(secret, Limits::default()),
+            decoder: Decoder::new(secret, limits),
             received: Vec::new(),
         }
     }
@@ -275,6 +275,12 @@ impl<T: Transport> Writer<T> {
         self.peers.get(&peer).map_or(MAX_HORIZON, |p| p.horizon)
     }
 
+    /// The horizon of the P whose agent is `agent`: how long after posting its WRITE's DONE
+    /// may still arrive. Zero for an agent no connection names (its DONEs are strays anyway).
+    fn horizon_of_agent(&self, agent: &str) -> Duration {
+        self.peers.values().filter(|p| p.name == agent).map(|p| p.horizon).max().unwrap_or_default()
+    }
+
     /// Leg `leg` of `request_id` is over (with `failure`, the receive fails and its other legs
     /// are cancelled); the receive is reported once its last leg is over.
     fn end_leg(&mut self, request_id: &str, leg: usize, failure: Option<Outcome>) {
@@ -353,8 +359,14 @@ impl<T: Transport> Writer<T> {
         }
         let received = std::mem::take(&mut self.receives.received);
         for notification in &received {
-            // DONEs arrive in completion order, not posting order: see `decode_unordered`.
-            match self.receives.decoder.decode_unordered(&notification.payload, unix_millis()) {
+            // DONEs arrive in completion order, not posting order, and as late as their WRITE
+            // took: up to the sending P's write horizon (see `decode_unordered`).
+            let in_flight = self.horizon_of_agent(&notification.from);
+            match self.receives.decoder.decode_unordered(
+                &notification.payload,
+                unix_millis(),
+                in_flight,
+            ) {
                 Ok(envelope) => {
                     if let Message::Done(done) = envelope.message {
                         self.done(&notification.from, done);

@@ -164,7 +164,7 @@ impl<T: Transport> Writer<T> {
             events,
             peers: HashMap::new(),
             sends,
-            receives: Receives::new(secret),
+            receives: Receives::new(secret, config.limits),
             last_deadline_check: Instant::now(),
             last_command: Instant::now(),
         }

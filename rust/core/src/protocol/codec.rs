@@ -7,7 +7,7 @@ use std::hash::{BuildHasher, Hash, Hasher};
 // fetch_add returns a distinct value, which holds under any ordering; there is no interleaving
 // with other memory for loom to explore.
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -268,7 +268,7 @@ impl Decoder {
     /// [`UnknownKind`](ProtocolError::UnknownKind), [`Malformed`](ProtocolError::Malformed)
     /// body, [`Invalid`](ProtocolError::Invalid) fields.
     pub fn decode(&mut self, frame: &[u8], now_ms: u64) -> Result<Envelope, ProtocolError> {
-        self.decode_checked(frame, now_ms, true)
+        self.decode_checked(frame, now_ms, None)
     }
 
     /// [`decode`](Self::decode) without the replay window: the MAC and the clock are checked,
@@ -276,20 +276,30 @@ impl Decoder {
     /// WRITE is posted but arrives when the WRITE completes, so DONEs of many concurrent WRITEs
     /// arrive in any order (more than a window apart), and each names one transfer and epoch,
     /// which the receiver counts at most once: a replayed DONE can only be a stray.
+    ///
+    /// For the same reason a DONE is as old as its WRITE took: it may arrive up to `in_flight`
+    /// (the sender's write horizon: how long after posting it may still deliver) plus
+    /// [`Limits::max_clock_skew`] after its timestamp. Bounding it by the clock skew alone
+    /// dropped the DONE of every WRITE slower than the skew (a paused host, a large KV over a
+    /// slow link), and its receive then waited out its whole TTL and failed.
     pub fn decode_unordered(
         &mut self,
         frame: &[u8],
         now_ms: u64,
+        in_flight: Duration,
     ) -> Result<Envelope, ProtocolError> {
-        self.decode_checked(frame, now_ms, false)
+        self.decode_checked(frame, now_ms, Some(duration_millis(in_flight)))
     }
 
+    /// `in_flight`: None for an in-order frame (replay window, clock within the skew); for a
+    /// notification, how much older than the skew it may be (see `decode_unordered`).
     fn decode_checked(
         &mut self,
         frame: &[u8],
         now_ms: u64,
-        in_order: bool,
+        in_flight: Option<u64>,
     ) -> Result<Envelope, ProtocolError> {
+        let in_order = in_flight.is_none();
         let Some(needed) = frame_len(frame, &self.limits)? else {
             return Err(ProtocolError::Truncated { needed: PREFIX_LEN, got: frame.len() });
         };
@@ -332,7 +342,7 @@ impl Decoder {
                 body: &envelope.body,
             };
             secret.verify(&fields, mac)?;
-            self.check_clock(envelope.ts_ms, now_ms)?;
+            self.check_clock(envelope.ts_ms, now_ms, in_flight.unwrap_or(0))?;
             if in_order {
                 self.replay.check(&envelope.sender, envelope.session, envelope.seq, now_ms)?;
             }
@@ -353,10 +363,13 @@ impl Decoder {
         })
     }
 
-    fn check_clock(&self, ts_ms: u64, now_ms: u64) -> Result<(), ProtocolError> {
+    /// A timestamp at most the skew ahead of `now_ms`, and at most the skew plus `older_ms`
+    /// behind it.
+    fn check_clock(&self, ts_ms: u64, now_ms: u64, older_ms: u64) -> Result<(), ProtocolError> {
         let max_ms = duration_millis(self.limits.max_clock_skew);
         let skew = i128::from(ts_ms) - i128::from(now_ms);
-        if skew.unsigned_abs() > u128::from(max_ms) {
+        let bound = if skew < 0 { max_ms.saturating_add(older_ms) } else { max_ms };
+        if skew.unsigned_abs() > u128::from(bound) {
             let skew_ms = i64::try_from(skew).unwrap_or(if skew < 0 { i64::MIN } else { i64::MAX });
             return Err(ProtocolError::ClockSkew { skew_ms, max_ms });
         }
@@ -568,7 +581,7 @@ mod tests {
             (0..200).map(|_| encoder.encode(&Message::Done(done()), NOW)).collect();
         // The newest first, then ones far below any replay window: all accepted unordered.
         for frame in frames.iter().rev() {
-            assert!(decoder.decode_unordered(frame, NOW).is_ok());
+            assert!(decoder.decode_unordered(frame, NOW, Duration::ZERO).is_ok());
         }
         // In order, the same reordering is refused as replays.
         let (encoder, mut ordered) = signed_pair();
@@ -579,12 +592,43 @@ mod tests {
         // Forged or stale notifications are still refused.
         let forged = Encoder::new("p-agent-0", Some(Secret::from_bytes(&[9; 32]).unwrap()));
         let frame = forged.encode(&Message::Done(done()), NOW);
-        assert!(matches!(decoder.decode_unordered(&frame, NOW), Err(ProtocolError::BadSignature)));
+        assert!(matches!(
+            decoder.decode_unordered(&frame, NOW, Duration::ZERO),
+            Err(ProtocolError::BadSignature)
+        ));
         let stale = encoder.encode(&Message::Done(done()), NOW - 3_600_000);
         assert!(matches!(
-            decoder.decode_unordered(&stale, NOW),
+            decoder.decode_unordered(&stale, NOW, Duration::from_secs(120)),
             Err(ProtocolError::ClockSkew { .. })
         ));
+    }
+
+    #[test]
+    fn a_done_may_be_as_old_as_its_write_took_but_never_from_the_future() {
+        // Encoded when the WRITE was posted, decoded when it completed 100 s later: past the
+        // 30 s skew, within the sender's 120 s write horizon plus the skew.
+        let (encoder, mut decoder) = signed_pair();
+        let late = encoder.encode(&Message::Done(done()), NOW - 100_000);
+        assert!(matches!(
+            decoder.decode_unordered(&late, NOW, Duration::ZERO),
+            Err(ProtocolError::ClockSkew { .. })
+        ));
+        assert!(decoder.decode_unordered(&late, NOW, Duration::from_secs(120)).is_ok());
+        let too_late = encoder.encode(&Message::Done(done()), NOW - 151_000);
+        assert!(matches!(
+            decoder.decode_unordered(&too_late, NOW, Duration::from_secs(120)),
+            Err(ProtocolError::ClockSkew { .. })
+        ));
+        // The horizon widens only the past: a frame from 31 s ahead is refused as before.
+        let ahead = encoder.encode(&Message::Done(done()), NOW + 31_000);
+        assert!(matches!(
+            decoder.decode_unordered(&ahead, NOW, Duration::from_secs(120)),
+            Err(ProtocolError::ClockSkew { .. })
+        ));
+        // In-order frames (control messages on the side channel) keep the plain skew.
+        let (encoder, mut ordered) = signed_pair();
+        let old = encoder.encode(&Message::Done(done()), NOW - 31_000);
+        assert!(matches!(ordered.decode(&old, NOW), Err(ProtocolError::ClockSkew { .. })));
     }
 
     #[test]
