@@ -45,11 +45,10 @@ pytestmark = [
     ),
 ]
 
-# One request of 3 blocks, the last one partial. Open bug, not yet understood: on this 2-vCPU VM
-# a later request's WRITEs from P's two ranks could stay in progress until P abandoned them. It
-# stalled a second request in 4 of 4 runs on the commit before the workers waited on idle steps
-# (engines no longer spin while a transfer is pending), and in 0 of 4 runs of five requests
-# since (docs/operations.md). KVPUSH_E2E_TP_PROMPTS=300,1000,2100,600,1500 runs five.
+# One request of 3 blocks, the last one partial. Open bug (docs/operations.md): under load on
+# this 2-vCPU VM one P rank's WRITE of a later request can stay in progress until its
+# write_timeout, while the other rank's completes at once; never on a quiet machine.
+# KVPUSH_E2E_TP_PROMPTS=300,1000,2100,600,1500 runs five.
 SEQUENTIAL = tuple(int(n) for n in os.environ.get("KVPUSH_E2E_TP_PROMPTS", "300").split(","))
 PREFILL_ENGINE_ID = "kvpush-e2e-prefill-tp2"
 # P's two ranks spin on both cores through every all-reduce (vLLM CPU's shared-memory
