@@ -262,7 +262,7 @@ class _Front:
             async with self.router.session.get(
                 decode.upstream.join(request.path_qs),
                 headers=_forwarded(request),
-                timeout=_client_timeout(timeouts.connect_s, timeouts.decode_s),
+                timeout=timeouts.upstream(timeouts.decode_s),
             ) as upstream:
                 payload = await upstream.read()
                 response = web.Response(status=upstream.status, body=payload)
@@ -389,10 +389,6 @@ def _copy_headers(headers: Any, response: web.StreamResponse) -> None:
     for name, value in headers.items():
         if name.lower() not in _NOT_RELAYED:
             response.headers.add(name, value)
-
-
-def _client_timeout(connect_s: float, read_s: float) -> aiohttp.ClientTimeout:
-    return aiohttp.ClientTimeout(total=None, connect=connect_s, sock_read=read_s)
 
 
 # --- the server --------------------------------------------------------------------------------

@@ -3,8 +3,7 @@ round-robin (so an idle pool is walked in turn), unhealthy ones skipped."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from kvpush.router.instances import Instance, Role
 
@@ -53,13 +52,3 @@ class Pool:
             raise NoHealthyInstanceError(self.role, count)
         self._cursor = (best_at + 1) % count
         return best
-
-    @staticmethod
-    @contextlib.contextmanager
-    def holding(instance: Instance) -> Iterator[Instance]:
-        """Counts a leg against ``instance`` while it runs."""
-        instance.outstanding += 1
-        try:
-            yield instance
-        finally:
-            instance.outstanding -= 1

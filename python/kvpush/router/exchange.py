@@ -66,6 +66,11 @@ class Timeouts:
     decode_s: float = 600.0
     client_s: float = 600.0
 
+    def upstream(self, read_s: float) -> aiohttp.ClientTimeout:
+        """One upstream request's bounds: connecting, and each read (``read_s``); no total, so
+        a long stream is not cut."""
+        return aiohttp.ClientTimeout(total=None, connect=self.connect_s, sock_read=read_s)
+
 
 class LegFailedError(Exception):
     """A leg failed before D's answer began (or D's body broke off): what the client is told.
@@ -381,9 +386,7 @@ class Exchange:
 
     async def _prefill_leg(self, body: JSON) -> JSON:
         """P's leg: send, read the whole answer; its JSON, or LegFailedError."""
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=self.timeouts.connect_s, sock_read=self.timeouts.prefill_s
-        )
+        timeout = self.timeouts.upstream(self.timeouts.prefill_s)
         try:
             async with self._session.post(
                 self.prefill.upstream.join(self.path),
@@ -423,9 +426,7 @@ class Exchange:
     async def _decode_head(self, body: JSON) -> DecodeAnswer:
         """D's leg until its answer begins: the head and first body bytes (all of an error
         answer). Raises LegFailedError when D cannot be reached or breaks off first."""
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=self.timeouts.connect_s, sock_read=self.timeouts.decode_s
-        )
+        timeout = self.timeouts.upstream(self.timeouts.decode_s)
         self.decode_sent_s = time.monotonic() - self.started
         response: aiohttp.ClientResponse | None = None
         try:
