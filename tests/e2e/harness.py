@@ -20,12 +20,15 @@ Ports, process groups, ``/dev/shm`` clean-up and metrics parsing are :mod:`kvpus
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import pytest
 
 from kvpush.router import Completion, PrefillInstance, complete_once
 from kvpush_lab import servers
@@ -35,6 +38,16 @@ from kvpush_lab.servers import (
     metric_value,
     shm_entries,
 )
+
+#: The marks of a module that runs real vLLM servers: ``-m e2e`` selects it, and it is skipped
+#: where vLLM is not installed.
+ON_VLLM = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM not installed: run scripts/setup-vllm VENV and use its python",
+    ),
+]
 
 JSON = dict[str, Any]
 

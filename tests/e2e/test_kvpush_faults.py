@@ -18,7 +18,6 @@ through ``kvpush proxy``, which aborts D's leg when P's fails.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import secrets
@@ -33,6 +32,7 @@ import pytest
 
 from kvpush.proxy import PrefillInstance, decode_body, prefill_body
 from tests.e2e.harness import (
+    ON_VLLM,
     PrefillEndpoint,
     VllmServer,
     completion_token_ids,
@@ -42,13 +42,7 @@ from tests.e2e.harness import (
 from tests.e2e.test_kvpush_pair import kvpush_config
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM not installed: run scripts/setup-vllm VENV and use its python",
-    ),
-]
+pytestmark = ON_VLLM
 
 PREFILL_ENGINE_ID = "kvpush-e2e-faults-prefill"
 PEER_TIMEOUT = 2.0

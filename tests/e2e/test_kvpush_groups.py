@@ -18,7 +18,6 @@ kept is a partial one of the window.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 import pytest
 
 from kvpush_lab.servers import metric_value
-from tests.e2e.harness import VllmServer
+from tests.e2e.harness import ON_VLLM, VllmServer
 from tests.e2e.test_kvpush_pair import (
     Pair,
     assert_same,
@@ -37,13 +36,7 @@ from tests.e2e.test_kvpush_pair import (
 )
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM not installed: run scripts/setup-vllm VENV and use its python",
-    ),
-]
+pytestmark = ON_VLLM
 
 WINDOW = 200
 BLOCK = 128

@@ -11,7 +11,6 @@ attention layer, an MLP layer), which vLLM's hybrid KV cache manager keeps as a 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import secrets
@@ -20,17 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import VllmServer, completion_token_ids, running
+from tests.e2e.harness import ON_VLLM, VllmServer, completion_token_ids, running
 from tests.e2e.test_kvpush_pair import kvpush_config
 from tests.e2e.test_upstream_smoke import MAX_TOKENS, greedy_body, prompt_token_ids
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM not installed: run scripts/setup-vllm VENV and use its python",
-    ),
-]
+pytestmark = ON_VLLM
 
 SERVER_ARGS = ["--no-enable-prefix-caching", "--block-size", "128"]
 

@@ -28,7 +28,6 @@ most two servers share the two cores.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import secrets
 import time
@@ -39,7 +38,7 @@ from typing import Any
 import pytest
 
 from kvpush_lab.servers import metric_value
-from tests.e2e.harness import VllmServer, completion_logprobs
+from tests.e2e.harness import ON_VLLM, VllmServer, completion_logprobs
 from tests.e2e.test_kvpush_pair import (
     Pair,
     assert_concurrent,
@@ -50,13 +49,7 @@ from tests.e2e.test_kvpush_pair import (
 )
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM not installed: run scripts/setup-vllm VENV and use its python",
-    ),
-]
+pytestmark = ON_VLLM
 
 #: vLLM's CPU MLA block: 16 tokens, whatever --block-size says.
 BLOCK = 16

@@ -19,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import http.client
-import importlib.util
 import json
 import os
 import secrets
@@ -32,6 +31,7 @@ import pytest
 
 from kvpush_lab.servers import HOST, metric_value
 from tests.e2e.harness import (
+    ON_VLLM,
     VllmServer,
     completion_logprobs,
     completion_token_ids,
@@ -39,13 +39,7 @@ from tests.e2e.harness import (
 )
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM not installed: run scripts/setup-vllm VENV and use its python",
-    ),
-]
+pytestmark = ON_VLLM
 
 SEQUENTIAL = (300, 1000, 2100)
 CONCURRENT = (500, 700, 900, 1100)

@@ -16,7 +16,6 @@ runs before the pair, so at most the pair shares the two cores.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
@@ -27,7 +26,7 @@ from typing import Any
 import pytest
 
 from kvpush_lab.servers import metric_value
-from tests.e2e.harness import VllmServer
+from tests.e2e.harness import ON_VLLM, VllmServer
 from tests.e2e.test_kvpush_pair import (
     Pair,
     assert_sequential,
@@ -37,13 +36,7 @@ from tests.e2e.test_kvpush_pair import (
 )
 from tests.e2e.test_upstream_smoke import prompt_token_ids
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM not installed: run scripts/setup-vllm VENV and use its python",
-    ),
-]
+pytestmark = ON_VLLM
 
 # One request of 3 blocks, the last one partial. Open bug (docs/operations.md): under load on
 # this 2-vCPU VM one P rank's WRITE of a later request can stay in progress until its

@@ -23,7 +23,6 @@ One P/D pair (``test_kvpush_pair``'s options) serves the whole module, after the
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import time
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ import aiohttp
 import pytest
 
 from kvpush_lab.servers import HOST, free_port, metric_value
-from tests.e2e.harness import VllmServer, running
+from tests.e2e.harness import ON_VLLM, VllmServer, running
 from tests.e2e.routers import (
     JSON,
     LegError,
@@ -51,13 +50,7 @@ from tests.e2e.test_kvpush_pair import (
 )
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM not installed: run scripts/setup-vllm VENV and use its python",
-    ),
-]
+pytestmark = ON_VLLM
 
 PREFILL_ENGINE_ID = "kvpush-e2e-router-prefill"
 DEMO_SEQUENTIAL = (300, 1000, 2100)
