@@ -44,8 +44,11 @@
 //!
 //! On a CPU-only machine set `UCX_NET_DEVICES=lo` (otherwise UCX's TCP also uses the host's
 //! external interface). With default `UCX_TLS`, UCX writes with `cma` (`process_vm_writev`,
-//! complete inside the post) and sends notifications over `tcp`; `UCX_TLS=tcp` makes writes
-//! asynchronous, like RDMA, and exercises the polling path. Never leave `tcp` out of `UCX_TLS`
+//! which UCX's shared-memory copy layer runs from worker progress, i.e. inside this transport's
+//! polls) and sends notifications over `tcp` (`UCX_PROTO_INFO=y` prints the choice);
+//! `UCX_TLS=tcp` writes over sockets instead, acknowledged by the receiver's progress, like a
+//! network. Either way a WRITE completes only as fast as the thread polling it is scheduled.
+//! Never leave `tcp` out of `UCX_TLS`
 //! (`sm`/`posix` alone cannot carry NIXL's notifications and backend creation fails). The same
 //! choice can be made per agent with [`AgentConfig::ucx_params`], e.g.
 //! `("engine_config", "TLS=tcp")`.
