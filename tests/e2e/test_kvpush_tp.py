@@ -38,16 +38,15 @@ from tests.e2e.test_upstream_smoke import prompt_token_ids
 
 pytestmark = ON_VLLM
 
-# Five requests, the first of 3 blocks with the last one partial. Under load on the 2-vCPU VM a
-# P rank's WRITE can take tens of seconds: its writer thread is runnable but not scheduled
-# (docs/operations.md); TIMEOUTS below leave room for that.
+# Five requests, the first of 3 blocks, its last one partial (KVPUSH_E2E_TP_PROMPTS sets others).
 PROMPTS = os.environ.get("KVPUSH_E2E_TP_PROMPTS", "300,1000,2100,600,1500")
 SEQUENTIAL = tuple(int(n) for n in PROMPTS.split(","))
 PREFILL_ENGINE_ID = "kvpush-e2e-prefill-tp2"
 # P's two ranks spin on both cores through every all-reduce (vLLM CPU's shared-memory
 # collectives) while D shares one of them. Under that sustained load this 2-vCPU VM leaves a
 # runnable thread unscheduled for tens of seconds at a time (the guest kernel logs "workqueue
-# lockup" for its own per-CPU workers), past the defaults of 10-30 s.
+# lockup" for its own per-CPU workers; a P rank's WRITE then waits for its writer thread to be
+# scheduled, docs/operations.md), past the defaults of 10-30 s.
 # What these bound (a stuck WRITE, a dead peer, an abandoned request) is not under test here.
 TIMEOUTS = {
     "write_timeout": 120.0,
