@@ -116,6 +116,7 @@ fn server_hello(engine_id: &str) -> Hello {
         nonce: 0,
         echo: 0,
         write_horizon_ms: 5_000,
+        delivery_bound_ms: 0,
     }
 }
 
@@ -941,6 +942,7 @@ impl Run<'_> {
             nonce: spec.nonce,
             echo: spec.echo,
             write_horizon_ms: spec.horizon_ms,
+            delivery_bound_ms: 0,
         }
     }
 

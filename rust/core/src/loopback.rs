@@ -216,12 +216,6 @@ impl Transport for LoopbackTransport {
         Ok(WriteState::Done)
     }
 
-    fn abandon_write(&mut self, write: WriteId) -> bool {
-        // The bytes were copied at post; only the notification is dropped.
-        self.writes.remove(&write);
-        true
-    }
-
     fn send_notification(&mut self, peer: &str, payload: &[u8]) -> Result<(), TransportError> {
         let target = Arc::clone(self.peer(peer, "send_notification")?);
         deliver(&target, &self.name, payload);

@@ -141,11 +141,6 @@ pub trait Transport: Send {
     /// Where `write` stands. After `Done` or an error the write is released and its id is void.
     fn poll_write(&mut self, write: WriteId) -> Result<WriteState, TransportError>;
 
-    /// Gives up on `write`: cancels and releases it. `true` when the transport released it (no
-    /// byte of it lands afterwards), `false` when it could not (the write may still be moving
-    /// bytes: both sides' blocks must stay reserved for good).
-    fn abandon_write(&mut self, write: WriteId) -> bool;
-
     /// Sends a notification that is not tied to a write.
     fn send_notification(&mut self, peer: &str, payload: &[u8]) -> Result<(), TransportError>;
 

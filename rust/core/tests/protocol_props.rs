@@ -95,6 +95,7 @@ fn message() -> impl Strategy<Value = Message> {
                     nonce: 0,
                     echo: 0,
                     write_horizon_ms: 0,
+                    delivery_bound_ms: 0,
                 })
             },
         );

@@ -156,6 +156,7 @@ fn hello(engine_id: &str) -> Hello {
         nonce: 0,
         echo: 0,
         write_horizon_ms: 0,
+        delivery_bound_ms: 0,
     }
 }
 

@@ -365,13 +365,6 @@ impl Transport for NixlTransport {
         }
     }
 
-    fn abandon_write(&mut self, write: WriteId) -> bool {
-        match self.writes.remove(&write) {
-            Some(Pending::Write { request, .. }) => self.release(request),
-            _ => true,
-        }
-    }
-
     fn send_notification(&mut self, peer: &str, payload: &[u8]) -> Result<(), TransportError> {
         const OP: &str = "send_notification";
         let target = self.peer(peer, OP)?;

@@ -13,11 +13,20 @@
 //! A leg that fails makes D cancel the others, and the receive is reported only once none of
 //! them can still write: nothing lands after "failed", whichever rank failed first.
 //!
+//! A leg whose connection was lost is *fenced*: P may be partitioned, paused or starved rather
+//! than dead, with a WRITE still in flight, so D hands its blocks back only on evidence that no
+//! byte of that P can land any more ([`Proof`]): P's own word, asked again over a new
+//! connection and given once its transport finished with the transfer; or proof that P's
+//! endpoint is gone (nothing listens at its address, or another endpoint does), after the time
+//! bytes already accepted by its host may still take to arrive. P's write horizon passing
+//! without either is not evidence (a stopped process keeps no horizon): the receive is then
+//! *quarantined* (reported once as a notice; the blocks stay held) until evidence comes.
+//!
 //! This module holds the state and its rules; D's receive path (`receive`, on the writer thread)
 //! does the I/O they call for (registering, sending CANCELs, dropping connections) and reports
 //! the event.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
 use crate::side_channel::PeerId;
@@ -35,11 +44,28 @@ pub(super) enum LegState {
     /// D sent a CANCEL. P must acknowledge it by `deadline` (then D drops the connection so
     /// that P's lease runs out; `None` once that was done).
     Cancelling { deadline: Option<Instant> },
-    /// D lost the connection: P may be writing until `until`; `outcome` is the leg's end if
-    /// no DONE arrives before then.
-    Fenced { until: Instant, outcome: Outcome },
+    /// D lost the connection: P may still be writing. `outcome` is the leg's end unless a DONE
+    /// comes first; what ends it is the evidence `proof`, and `until` is when: the horizon (for
+    /// [`Proof::Unknown`] and [`Proof::Asking`], only the quarantine notice is due then) or the
+    /// moment accepted bytes stopped landing ([`Proof::Gone`]: the leg ends then).
+    Fenced { until: Instant, outcome: Outcome, proof: Proof },
     /// Over: no write of this leg can land any more.
     Over,
+}
+
+/// What D knows of a lost P's writes: the evidence a fenced leg waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Proof {
+    /// Nothing since the connection was lost: D reconnects to ask.
+    Unknown,
+    /// D reconnected to the same P endpoint and sent it a CANCEL on connection `peer`: P's
+    /// CANCEL_ACK, which it sends only once its transport finished with the transfer (done,
+    /// failed, or never posted), ends the leg.
+    Asking(PeerId),
+    /// P's endpoint is gone (another endpoint answers at its address, or nothing listens
+    /// there): no byte can be sent any more, and those already accepted stopped landing at
+    /// `until`.
+    Gone,
 }
 
 /// One P rank a receive awaits.
@@ -51,6 +77,10 @@ pub(super) struct Leg {
     pub(super) peer: Option<PeerId>,
     /// The agent name of that P: a DONE from any other agent is not this leg's.
     pub(super) agent: Option<String>,
+    /// How long that P's bytes may still land after its endpoint is gone (its delivery bound),
+    /// and after its last proof of life (its write horizon), from its Hello.
+    pub(super) delivery_bound: Duration,
+    pub(super) horizon: Duration,
     pub(super) state: LegState,
 }
 
@@ -83,6 +113,8 @@ pub(super) struct Awaited {
     pub(super) registered: Instant,
     /// The receive's end once its last leg is over; None: done, if every leg delivered.
     ending: Option<Outcome>,
+    /// The quarantine notice was reported (see the module docs).
+    quarantined: bool,
 }
 
 impl Awaited {
@@ -94,6 +126,8 @@ impl Awaited {
                 source: source.clone(),
                 peer: None,
                 agent: None,
+                delivery_bound: Duration::ZERO,
+                horizon: Duration::ZERO,
                 state: LegState::Connecting,
             })
             .collect();
@@ -106,6 +140,7 @@ impl Awaited {
             runs: 0,
             registered: at,
             ending: None,
+            quarantined: false,
         }
     }
 
@@ -209,24 +244,95 @@ impl Awaited {
         stops
     }
 
-    /// The connection `peer` closed at `at`: its legs are fenced until `until`, ending with
-    /// `outcome` unless a DONE comes first.
-    pub(super) fn fence(&mut self, peer: PeerId, until: Instant, outcome: &Outcome) {
+    /// The connection `peer` closed at `at`: its legs are fenced, ending with `outcome` unless a
+    /// DONE comes first, once there is evidence that nothing more of theirs can land; the
+    /// quarantine notice is due at `at` plus each leg's horizon.
+    pub(super) fn fence(&mut self, peer: PeerId, at: Instant, outcome: &Outcome) {
         for leg in &mut self.legs {
-            if leg.peer == Some(peer)
-                && matches!(leg.state, LegState::Registered | LegState::Cancelling { .. })
-            {
-                leg.state = LegState::Fenced { until, outcome: outcome.clone() };
+            let live = match &leg.state {
+                LegState::Registered | LegState::Cancelling { .. } => leg.peer == Some(peer),
+                // A second connection D opened to ask a lost P was lost too: ask again.
+                LegState::Fenced { proof: Proof::Asking(asked), .. } => *asked == peer,
+                _ => false,
+            };
+            if live {
+                let until = match &leg.state {
+                    LegState::Fenced { until, .. } => *until,
+                    _ => at + leg.horizon,
+                };
+                let outcome = match &leg.state {
+                    LegState::Fenced { outcome, .. } => outcome.clone(),
+                    _ => outcome.clone(),
+                };
+                leg.state = LegState::Fenced { until, outcome, proof: Proof::Unknown };
             }
         }
     }
 
-    /// Ends the legs whose horizon passed by `now`; returns the CANCELs this calls for.
+    /// The fenced legs of P at `source` that wait for evidence (D should ask P again).
+    pub(super) fn unsettled(&self, source: &str) -> Vec<usize> {
+        (0..self.legs.len())
+            .filter(|&leg| {
+                self.legs[leg].source == source
+                    && matches!(
+                        self.legs[leg].state,
+                        LegState::Fenced { proof: Proof::Unknown, .. }
+                    )
+            })
+            .collect()
+    }
+
+    /// Whether some fenced leg waits for evidence (D must ask its P again).
+    pub(super) fn needs_settling(&self) -> bool {
+        self.legs
+            .iter()
+            .any(|leg| matches!(leg.state, LegState::Fenced { proof: Proof::Unknown, .. }))
+    }
+
+    /// Fenced leg `leg` is being asked on connection `peer` (see [`Proof::Asking`]).
+    pub(super) fn ask(&mut self, leg: usize, peer: PeerId) {
+        if let LegState::Fenced { proof, .. } = &mut self.legs[leg].state {
+            *proof = Proof::Asking(peer);
+        }
+    }
+
+    /// Fenced leg `leg`'s P endpoint is gone: the leg ends once `settled` (bytes it had handed
+    /// to its host may land until then).
+    pub(super) fn gone(&mut self, leg: usize, settled: Instant) {
+        if let LegState::Fenced { until, proof, .. } = &mut self.legs[leg].state {
+            *until = settled;
+            *proof = Proof::Gone;
+        }
+    }
+
+    /// The fenced leg asked on connection `peer` (its P's answer ends it).
+    pub(super) fn leg_asked_on(&self, peer: PeerId) -> Option<usize> {
+        self.legs.iter().position(|leg| {
+            matches!(leg.state, LegState::Fenced { proof: Proof::Asking(asked), .. } if asked == peer)
+        })
+    }
+
+    /// A fenced leg's P answered (its word, given once nothing of the transfer can land): the
+    /// leg ends with its fenced outcome. Returns the CANCELs this calls for.
+    pub(super) fn settle_leg(&mut self, leg: usize) -> Vec<Stop> {
+        match &self.legs[leg].state {
+            LegState::Fenced { outcome, .. } => {
+                let outcome = outcome.clone();
+                self.end_leg(leg, Some(outcome))
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Ends the legs whose P is gone and whose last bytes stopped landing by `now`; returns the
+    /// CANCELs this calls for.
     pub(super) fn fences_passed(&mut self, now: Instant) -> Vec<Stop> {
         let mut stops = Vec::new();
         for leg in 0..self.legs.len() {
             let passed = match &self.legs[leg].state {
-                LegState::Fenced { until, outcome } if *until <= now => Some(outcome.clone()),
+                LegState::Fenced { until, outcome, proof: Proof::Gone } if *until <= now => {
+                    Some(outcome.clone())
+                }
                 _ => None,
             };
             if let Some(outcome) = passed {
@@ -234,6 +340,37 @@ impl Awaited {
             }
         }
         stops
+    }
+
+    /// Whether the quarantine notice is due by `now`: some lost P's horizon passed without
+    /// evidence that its bytes can no longer land. True once.
+    pub(super) fn quarantine_due(&mut self, now: Instant) -> bool {
+        if self.quarantined {
+            return false;
+        }
+        let due = self.legs.iter().any(|leg| {
+            matches!(
+                leg.state,
+                LegState::Fenced { until, proof: Proof::Unknown | Proof::Asking(_), .. }
+                    if until <= now
+            )
+        });
+        self.quarantined = due;
+        due
+    }
+
+    /// Why the receive is held: the lost P ranks that have not settled.
+    pub(super) fn unsettled_labels(&self) -> String {
+        let labels: Vec<String> = (0..self.legs.len())
+            .filter(|&leg| {
+                matches!(
+                    self.legs[leg].state,
+                    LegState::Fenced { proof: Proof::Unknown | Proof::Asking(_), .. }
+                )
+            })
+            .map(|leg| self.label(leg))
+            .collect();
+        labels.join(", ")
     }
 
     /// The connections whose CANCEL went unacknowledged past its deadline (each reported once).
@@ -275,6 +412,7 @@ mod tests {
     fn register(a: &mut Awaited, leg: usize, peer: PeerId) {
         a.legs[leg].peer = Some(peer);
         a.legs[leg].agent = Some(format!("p{leg}"));
+        a.legs[leg].horizon = Duration::from_secs(5);
         a.legs[leg].state = LegState::Registered;
     }
 
@@ -323,27 +461,72 @@ mod tests {
     }
 
     #[test]
-    fn a_lost_leg_ends_at_its_horizon_unless_its_done_comes_first() {
+    fn a_lost_legs_done_still_completes_it() {
+        let now = Instant::now();
+        let mut a = awaited(&["p0:1", "p1:2"]);
+        register(&mut a, 0, 1);
+        register(&mut a, 1, 2);
+        a.fence(1, now, &failed("lost"));
+        assert_eq!(a.next_fence(), Some(now + Duration::from_secs(5)));
+        a.end_leg(1, None);
+        a.end_leg(a.leg_of_agent("p0").expect("fenced legs accept their DONE"), None);
+        assert_eq!(a.outcome(), Outcome::Done);
+    }
+
+    #[test]
+    fn a_horizon_alone_quarantines_and_ends_nothing() {
+        let now = Instant::now();
+        let mut a = awaited(&["p0:1"]);
+        register(&mut a, 0, 1);
+        a.fence(1, now, &failed("lost"));
+        let later = now + Duration::from_secs(60);
+        assert!(!a.quarantine_due(now), "inside the horizon");
+        assert!(a.fences_passed(later).is_empty(), "a stopped P keeps no horizon");
+        assert!(!a.is_over());
+        assert!(a.quarantine_due(later), "the notice, once");
+        assert!(!a.quarantine_due(later));
+        assert_eq!(a.unsettled("p0:1"), vec![0]);
+        assert!(a.needs_settling());
+    }
+
+    #[test]
+    fn a_lost_leg_ends_on_ps_word_or_once_ps_endpoint_is_gone() {
         let now = Instant::now();
         let lost = failed("lost");
         let mut a = awaited(&["p0:1", "p1:2"]);
         register(&mut a, 0, 1);
         register(&mut a, 1, 2);
-        a.fence(1, now + Duration::from_secs(5), &lost);
-        assert_eq!(a.next_fence(), Some(now + Duration::from_secs(5)));
-        assert!(a.fences_passed(now).is_empty(), "inside the horizon");
+        a.fence(1, now, &lost);
+        // Asked again on a new connection 9: P's answer ends the leg, and rank 1 is cancelled.
+        a.ask(0, 9);
+        assert!(!a.needs_settling());
+        assert_eq!(a.leg_asked_on(9), Some(0));
+        assert_eq!(a.settle_leg(0), vec![Stop::Cancel(2)]);
         a.end_leg(1, None);
-        // The lost rank's DONE still completes its leg inside the horizon.
-        a.end_leg(a.leg_of_agent("p0").expect("fenced legs accept their DONE"), None);
-        assert_eq!(a.outcome(), Outcome::Done);
+        assert_eq!(a.outcome(), lost);
 
-        let mut b = awaited(&["p0:1", "p1:2"]);
+        let mut b = awaited(&["p0:1"]);
         register(&mut b, 0, 1);
-        register(&mut b, 1, 2);
         b.fence(1, now, &lost);
-        assert_eq!(b.fences_passed(now), vec![Stop::Cancel(2)]);
-        b.end_leg(1, None);
+        let settled = now + Duration::from_secs(2);
+        b.gone(0, settled);
+        assert!(b.fences_passed(now).is_empty(), "bytes its host accepted may still land");
+        assert!(b.fences_passed(settled).is_empty());
+        assert!(b.is_over());
+        assert!(!b.quarantine_due(now + Duration::from_secs(60)), "gone is evidence");
         assert_eq!(b.outcome(), lost);
+    }
+
+    #[test]
+    fn losing_the_connection_a_lost_leg_was_asked_on_asks_again() {
+        let now = Instant::now();
+        let mut a = awaited(&["p0:1"]);
+        register(&mut a, 0, 1);
+        a.fence(1, now, &failed("lost"));
+        a.ask(0, 9);
+        a.fence(9, now + Duration::from_secs(1), &failed("lost again"));
+        assert_eq!(a.unsettled("p0:1"), vec![0]);
+        assert_eq!(a.next_fence(), Some(now + Duration::from_secs(5)), "the first loss counts");
     }
 
     #[test]

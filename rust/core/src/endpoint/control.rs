@@ -234,8 +234,12 @@ impl Control {
         let outcome =
             self.shared.table.cancel_owned(&key, Some(cancel.epoch), Some(owner), Instant::now());
         let released = match outcome {
-            // The in-flight write's `finish` acknowledges it.
-            Cancelled::Deferred => return,
+            // The in-flight write's `finish` acknowledges it, on this connection too (a D that
+            // lost P asks again on a new one).
+            Cancelled::Deferred => {
+                self.shared.send(Command::AcknowledgeWhenWritten { peer, cancel });
+                return;
+            }
             Cancelled::NotFound => None,
             Cancelled::Removed { ready, .. } => ready,
         };

@@ -272,8 +272,12 @@ pub struct Counters {
     pub refused_registrations: AtomicU64,
     /// Registrations dropped because their peer was lost before P's KV was ready.
     pub purged_registrations: AtomicU64,
-    /// Writes P abandoned but the transport could not release: their blocks stay held.
+    /// Writes not done within the write timeout, reported quarantined (P keeps its source
+    /// blocks until the transport has finished with them).
     pub quarantined_writes: AtomicU64,
+    /// Receives reported quarantined: a lost P's horizon passed without evidence that its
+    /// bytes can no longer land, so D keeps the blocks until P answers or is found gone.
+    pub quarantined_receives: AtomicU64,
     /// Writes not posted because D's proof of life had lapsed (its lease ran out).
     pub lapsed_leases: AtomicU64,
     /// Writes posted more than the horizon's margin after their lease check (the process was
@@ -303,6 +307,8 @@ pub struct Stats {
     pub purged_registrations: u64,
     /// See [`Counters::quarantined_writes`].
     pub quarantined_writes: u64,
+    /// See [`Counters::quarantined_receives`].
+    pub quarantined_receives: u64,
     /// See [`Counters::lapsed_leases`].
     pub lapsed_leases: u64,
     /// See [`Counters::late_posts`].
@@ -396,6 +402,10 @@ impl Endpoint {
             nonce: 0,
             echo: 0,
             write_horizon_ms: u64::try_from(config.write_horizon().as_millis()).unwrap_or(u64::MAX),
+            // At least 1 ms: 0 on the wire means "unknown" (the peer then assumes the horizon).
+            delivery_bound_ms: u64::try_from(config.delivery_bound.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1),
         };
         let (inbox, commands) = mpsc::channel();
         let (event_sink, events) = mpsc::channel();
@@ -631,6 +641,7 @@ impl Endpoint {
             refused_registrations: c.refused_registrations.load(Ordering::Relaxed),
             purged_registrations: c.purged_registrations.load(Ordering::Relaxed),
             quarantined_writes: c.quarantined_writes.load(Ordering::Relaxed),
+            quarantined_receives: c.quarantined_receives.load(Ordering::Relaxed),
             lapsed_leases: c.lapsed_leases.load(Ordering::Relaxed),
             late_posts: c.late_posts.load(Ordering::Relaxed),
         }

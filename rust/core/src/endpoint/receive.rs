@@ -7,8 +7,12 @@
 //! transport delivers (each only from the agent the leg registered with, for the current epoch)
 //! and acts on P's FAILs and CANCEL_ACKs. A cancel, a TTL that passed or a leg's failure sends
 //! CANCELs to the legs that may still be written; a P that does not acknowledge within its
-//! write horizon is disconnected, and a lost P is waited out until its horizon passed (the
-//! fence: see `writer`). The receive is reported once, when its last leg is over.
+//! write horizon is disconnected. A lost P's legs end only on evidence that none of its bytes
+//! can land any more (the fence: see `awaited` and `writer`): the writer reconnects to that P
+//! and asks again (a CANCEL, which P acknowledges once its transport finished with the
+//! transfer), or finds its endpoint gone. Until then the receive holds its blocks, and once P's
+//! horizon passed without evidence it is reported *quarantined* (a notice, once). The receive
+//! is reported once, when its last leg is over.
 //!
 //! `awaited` holds the per-request state and its rules; this module does the I/O they call for.
 
@@ -27,7 +31,7 @@ use crate::transport::{Notification, Transport};
 
 use super::awaited::{Awaited, LegState, Stop};
 use super::events::{Event, Outcome, Reason, Role, Timeline};
-use super::writer::{Command, Writer, MAX_HORIZON};
+use super::writer::{Command, ConnectFailure, Writer, MAX_HORIZON};
 use super::{Counters, Expectation, Share};
 
 /// A side channel connection to a P, by its address.
@@ -53,7 +57,21 @@ pub(super) struct Receives {
     decoder: Decoder,
     /// Notifications taken from the transport (reused between turns).
     received: Vec<Notification>,
+    /// P addresses D must ask again (some lost leg of theirs waits for evidence), with when the
+    /// next attempt to connect is due and the wait after it.
+    retries: HashMap<String, Retry>,
 }
+
+/// When D tries again to reach a lost P.
+#[derive(Debug, Clone, Copy)]
+struct Retry {
+    next: Instant,
+    backoff: Duration,
+}
+
+/// The first wait between attempts to reach a lost P, and the longest.
+const RETRY_FIRST: Duration = Duration::from_millis(200);
+const RETRY_MAX: Duration = Duration::from_secs(5);
 
 impl std::fmt::Debug for Receives {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -74,6 +92,7 @@ impl Receives {
             connector: None,
             decoder: Decoder::new(secret, limits),
             received: Vec::new(),
+            retries: HashMap::new(),
         }
     }
 
@@ -128,8 +147,9 @@ impl<T: Transport> Writer<T> {
                     // Connecting blocks (bounded by the connect timeout), so it runs here
                     // rather than on the writer, which must keep polling.
                     for source in queue {
-                        let result =
-                            side_channel.connect(&source).map_err(|error| error.to_string());
+                        let result = side_channel
+                            .connect(&source)
+                            .map_err(|error| ConnectFailure::of(&error));
                         if !shared.send(Command::Connected { source, result }) {
                             break;
                         }
@@ -141,7 +161,11 @@ impl<T: Transport> Writer<T> {
                     self.receives.connect_requests = Some(requests);
                 }
                 Err(e) => {
-                    self.connected(source, Err(format!("cannot start a connector thread: {e}")));
+                    let failure = ConnectFailure {
+                        reason: format!("cannot start a connector thread: {e}"),
+                        refused: false,
+                    };
+                    self.connected(source, Err(failure));
                     return;
                 }
             }
@@ -151,7 +175,7 @@ impl<T: Transport> Writer<T> {
         }
     }
 
-    pub(super) fn connected(&mut self, source: String, result: Result<PeerInfo, String>) {
+    pub(super) fn connected(&mut self, source: String, result: Result<PeerInfo, ConnectFailure>) {
         let waiting: Vec<(String, usize)> = self
             .receives
             .awaited
@@ -168,21 +192,116 @@ impl<T: Transport> Writer<T> {
             .collect();
         match result {
             Ok(info) => {
-                self.receives.sources.insert(source, Source::Connected(info.id));
+                self.receives.sources.insert(source.clone(), Source::Connected(info.id));
                 for (request_id, leg) in waiting {
                     self.register_with(info.id, &request_id, leg);
                 }
+                self.ask_again(&source, info.id);
             }
-            Err(reason) => {
+            Err(failure) => {
                 self.receives.sources.remove(&source);
                 for (request_id, leg) in waiting {
                     let Some(awaited) = self.receives.awaited.get(&request_id) else { continue };
-                    let detail = format!("cannot reach {}: {reason}", awaited.label(leg));
+                    let detail = format!("cannot reach {}: {}", awaited.label(leg), failure.reason);
                     self.end_leg(
                         &request_id,
                         leg,
                         Some(Outcome::failed(Reason::Unreachable, detail)),
                     );
+                }
+                if failure.refused {
+                    // Nothing listens where that P was: its endpoint closed (dropping its
+                    // transport first) or its process exited. A host that refuses for a
+                    // firewall while P lives would look the same, so the legs still wait out
+                    // P's whole horizon, which a running P keeps.
+                    let now = Instant::now();
+                    self.settle_source(&source, |leg| Some(now + leg.horizon));
+                }
+            }
+        }
+    }
+
+    /// Asks the P behind the new connection `peer` at `source` about the legs D lost with it:
+    /// the same endpoint answers a CANCEL once nothing of the transfer can land; another
+    /// endpoint at that address means the one D lost is gone, so only the bytes its host had
+    /// already accepted may still land (for its delivery bound).
+    fn ask_again(&mut self, source: &str, peer: PeerId) {
+        let Some(agent) = self.peers.get(&peer).map(|p| p.name.clone()) else { return };
+        let now = Instant::now();
+        let mut asks = Vec::new();
+        for (request_id, awaited) in &mut self.receives.awaited {
+            for leg in awaited.unsettled(source) {
+                if awaited.legs[leg].agent.as_deref() == Some(agent.as_str()) {
+                    awaited.ask(leg, peer);
+                    asks.push(Cancel {
+                        transfer_key: awaited.key.as_str().to_owned(),
+                        request_id: request_id.clone(),
+                        epoch: awaited.expectation.epoch,
+                    });
+                } else {
+                    let settled = now + awaited.legs[leg].delivery_bound;
+                    awaited.gone(leg, settled);
+                }
+            }
+        }
+        for cancel in asks {
+            self.send(peer, Message::Cancel(cancel));
+        }
+        self.receives.retries.remove(source);
+    }
+
+    /// Every lost leg of P at `source` that waits for evidence learns that P's endpoint is gone;
+    /// `settled` says when its accepted bytes stop landing.
+    fn settle_source(
+        &mut self,
+        source: &str,
+        settled: impl Fn(&super::awaited::Leg) -> Option<Instant>,
+    ) {
+        for awaited in self.receives.awaited.values_mut() {
+            for leg in awaited.unsettled(source) {
+                if let Some(at) = settled(&awaited.legs[leg]) {
+                    awaited.gone(leg, at);
+                }
+            }
+        }
+        self.receives.retries.remove(source);
+    }
+
+    /// Reconnects to every lost P that some leg still waits for evidence from, with a growing
+    /// pause between attempts, or asks it on a connection already up again.
+    fn settle_lost(&mut self, now: Instant) {
+        let mut sources: Vec<String> = self
+            .receives
+            .awaited
+            .values()
+            .filter(|a| a.needs_settling())
+            .flat_map(|a| a.legs.iter().map(|leg| leg.source.clone()))
+            .collect();
+        sources.sort();
+        sources.dedup();
+        for source in sources {
+            if !self.receives.awaited.values().any(|a| !a.unsettled(&source).is_empty()) {
+                continue;
+            }
+            match self.receives.sources.get(&source) {
+                Some(Source::Connecting) => {}
+                Some(Source::Connected(peer)) => {
+                    let peer = *peer;
+                    self.ask_again(&source, peer);
+                }
+                None => {
+                    let retry = self
+                        .receives
+                        .retries
+                        .entry(source.clone())
+                        .or_insert(Retry { next: now, backoff: RETRY_FIRST });
+                    if retry.next > now {
+                        continue;
+                    }
+                    retry.next = now + retry.backoff;
+                    retry.backoff = (retry.backoff * 2).min(RETRY_MAX);
+                    self.receives.sources.insert(source.clone(), Source::Connecting);
+                    self.request_connect(source);
                 }
             }
         }
@@ -190,6 +309,8 @@ impl<T: Transport> Writer<T> {
 
     fn register_with(&mut self, peer: PeerId, request_id: &str, leg: usize) {
         let agent = self.peers.get(&peer).map(|p| p.name.clone());
+        let horizon = self.horizon(peer);
+        let delivery_bound = self.peers.get(&peer).map_or(horizon, |p| p.delivery_bound);
         let mismatch =
             self.receives.awaited.get(request_id).and_then(|a| self.source_mismatch(peer, a, leg));
         let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
@@ -203,6 +324,8 @@ impl<T: Transport> Writer<T> {
         }
         awaited.legs[leg].peer = Some(peer);
         awaited.legs[leg].agent = agent;
+        awaited.legs[leg].horizon = horizon;
+        awaited.legs[leg].delivery_bound = delivery_bound;
         awaited.legs[leg].state = LegState::Registered;
         let e = &awaited.expectation;
         let ttl_ms =
@@ -427,20 +550,24 @@ impl<T: Transport> Writer<T> {
                 self.end_leg(&fail.request_id, leg, Some(outcome));
             }
             Message::CancelAck(ack) => {
-                let leg = self
+                let Some(awaited) = self
                     .receives
                     .awaited
-                    .get(&ack.request_id)
+                    .get_mut(&ack.request_id)
                     .filter(|a| a.expectation.epoch == ack.epoch)
-                    .and_then(|a| a.leg_on(peer))
-                    .filter(|&leg| {
-                        matches!(
-                            self.receives.awaited[&ack.request_id].legs[leg].state,
-                            LegState::Cancelling { .. }
-                        )
-                    });
-                if let Some(leg) = leg {
+                else {
+                    return;
+                };
+                let cancelled = awaited
+                    .leg_on(peer)
+                    .filter(|&leg| matches!(awaited.legs[leg].state, LegState::Cancelling { .. }));
+                if let Some(leg) = cancelled {
                     self.end_leg(&ack.request_id, leg, None);
+                } else if let Some(leg) = awaited.leg_asked_on(peer) {
+                    // A lost P's word, asked on a new connection: nothing more of it can land.
+                    let stops = awaited.settle_leg(leg);
+                    self.stop_legs(&ack.request_id, &stops);
+                    self.settle(&ack.request_id);
                 }
             }
             // Error replies, stray DONEs on the side channel: nothing is waiting on them.
@@ -449,29 +576,25 @@ impl<T: Transport> Writer<T> {
     }
 
     /// The connection `peer` to a P closed at `at`. A lost connection is not proof that P
-    /// stopped: P writes only while our proof of life is fresh, and we stopped giving it when
-    /// the connection closed, so its legs end once P's `horizon` passed since `at`.
-    pub(super) fn fence_receives(
-        &mut self,
-        peer: PeerId,
-        reason: &str,
-        at: Instant,
-        horizon: Duration,
-    ) {
+    /// stopped, nor is P's horizon passing (a stopped process keeps no horizon): its legs end
+    /// only on evidence (see `awaited`), which the deadline checks go and get.
+    pub(super) fn fence_receives(&mut self, peer: PeerId, reason: &str, at: Instant) {
         self.receives
             .sources
             .retain(|_, source| !matches!(source, Source::Connected(p) if *p == peer));
         for (request_id, awaited) in &mut self.receives.awaited {
-            let Some(leg) = awaited.leg_on(peer) else { continue };
+            let Some(leg) = awaited.leg_on(peer).or_else(|| awaited.leg_asked_on(peer)) else {
+                continue;
+            };
             let outcome = Outcome::failed(
                 Reason::PeerLost,
                 format!(
-                    "lost {} for request {request_id}: {reason}; reported once P's write horizon \
-                     ({horizon:.1?}) had passed, so no write of P's can still land",
+                    "lost {} for request {request_id}: {reason}; reported once P confirmed, or \
+                     its endpoint was found gone, that no write of it can still land",
                     awaited.label(leg)
                 ),
             );
-            awaited.fence(peer, at + horizon, &outcome);
+            awaited.fence(peer, at, &outcome);
         }
     }
 
@@ -492,6 +615,15 @@ impl<T: Transport> Writer<T> {
                 due.push((request_id.clone(), stops, late));
             }
         }
+        let mut notices = Vec::new();
+        for (request_id, awaited) in &mut self.receives.awaited {
+            if awaited.quarantine_due(now) {
+                notices.push(request_id.clone());
+            }
+        }
+        for request_id in notices {
+            self.quarantine_notice(&request_id);
+        }
         for (request_id, stops, late) in due {
             self.stop_legs(&request_id, &stops);
             if late {
@@ -504,10 +636,38 @@ impl<T: Transport> Writer<T> {
             self.settle(&request_id);
         }
         // P did not answer a CANCEL within its horizon: stop proving we are alive to it, so that
-        // its lease runs out; the horizon then runs from the disconnect (see `fence_receives`).
+        // its lease runs out; the leg is then fenced (see `fence_receives`).
         for peer in unacknowledged {
             self.side_channel.disconnect(peer);
         }
+        self.settle_lost(now);
+    }
+
+    /// Reports, once, that `request_id`'s receive holds its blocks without evidence that a lost
+    /// P's bytes can no longer land: its horizon passed, and it neither answered nor was found
+    /// gone. The receive's own event still comes once it settles (or never, if it never does).
+    fn quarantine_notice(&mut self, request_id: &str) {
+        let Some(awaited) = self.receives.awaited.get(request_id) else { return };
+        Counters::add(&self.shared.counters.quarantined_receives);
+        let detail = format!(
+            "request {request_id}: lost {} and its write horizon passed without P confirming \
+             that nothing more of it can land (a paused or partitioned P looks the same as a dead \
+             one); the KV blocks stay held until P answers or is found gone",
+            awaited.unsettled_labels()
+        );
+        let event = Event {
+            role: Role::Receive,
+            request_id: request_id.to_owned(),
+            key: awaited.key.clone(),
+            outcome: Outcome::quarantined(detail),
+            bytes: awaited.bytes,
+            runs: awaited.runs,
+            timeline: Timeline {
+                registered: Some(self.seconds(awaited.registered)),
+                ..Timeline::default()
+            },
+        };
+        self.emit(event);
     }
 
     /// The writer died at `at` (see `Writer::die`), its peers disconnected: every receive fails,
@@ -516,21 +676,14 @@ impl<T: Transport> Writer<T> {
         let ids: Vec<String> = self.receives.awaited.keys().cloned().collect();
         for request_id in ids {
             let Some(awaited) = self.receives.awaited.get(&request_id) else { continue };
-            let horizons: Vec<(PeerId, Instant)> = awaited
-                .legs
-                .iter()
-                .filter_map(|leg| leg.peer)
-                .map(|peer| (peer, at + self.horizon(peer)))
-                .collect();
+            let peers: Vec<PeerId> = awaited.legs.iter().filter_map(|leg| leg.peer).collect();
             let Some(awaited) = self.receives.awaited.get_mut(&request_id) else { continue };
-            let outcome = Outcome::failed(
-                Reason::WriterDied,
-                format!("{reason}; reported after P's write horizon"),
-            );
-            // Unregistered legs are over; registered ones may be written until the horizon.
+            let outcome = Outcome::failed(Reason::WriterDied, reason.to_owned());
+            // Unregistered legs are over; registered ones may be written: with nobody left to
+            // ask P, they are held, and reported quarantined once P's horizon passed.
             let _ = awaited.cancel(outcome.clone());
-            for (peer, until) in horizons {
-                awaited.fence(peer, until, &outcome);
+            for peer in peers {
+                awaited.fence(peer, at, &outcome);
             }
             self.settle(&request_id);
         }
@@ -554,13 +707,17 @@ impl<T: Transport> Writer<T> {
         });
     }
 
-    /// A dead writer's receives whose last horizon passed by `now` are reported. No CANCEL goes
-    /// out: the peers were disconnected.
+    /// A dead writer's receives whose P's horizon passed by `now` are reported quarantined and
+    /// forgotten (their blocks stay held: nobody can ask P any more). No CANCEL goes out: the
+    /// peers were disconnected.
     pub(super) fn pass_fences(&mut self, now: Instant) {
         let ids: Vec<String> = self.receives.awaited.keys().cloned().collect();
         for request_id in ids {
-            if let Some(awaited) = self.receives.awaited.get_mut(&request_id) {
-                let _ = awaited.fences_passed(now);
+            let Some(awaited) = self.receives.awaited.get_mut(&request_id) else { continue };
+            if awaited.quarantine_due(now) {
+                self.quarantine_notice(&request_id);
+                self.receives.awaited.remove(&request_id);
+                continue;
             }
             self.settle(&request_id);
         }

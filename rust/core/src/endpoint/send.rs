@@ -90,6 +90,8 @@ struct InFlight {
     runs: u32,
     /// The transport agent written to (the write holds one use of it).
     agent: String,
+    /// Past its write timeout, and reported quarantined (see `notice_overdue_writes`).
+    overdue: bool,
 }
 
 /// P: a posted WRITE's id, bytes, runs and the agent written to (see `Writer::post`).
@@ -109,8 +111,10 @@ pub(super) struct Sends {
     /// connection shares its agent with the old one until the old one's uses end.
     agents: HashMap<String, usize>,
     in_flight: Vec<InFlight>,
-    /// Writes abandoned that the transport could not release: their blocks stay held.
-    quarantined: Vec<InFlight>,
+    /// D connections other than the registration's own that asked to cancel a transfer whose
+    /// WRITE is in flight (a D that lost P asks again on a new connection): each gets the
+    /// CANCEL_ACK once the transport finished with the WRITE.
+    ack_waiters: HashMap<(TransferKey, u64), Vec<PeerId>>,
     /// Signs the DONEs that ride on the WRITEs.
     notifications: Encoder,
 }
@@ -120,7 +124,7 @@ impl std::fmt::Debug for Sends {
         f.debug_struct("Sends")
             .field("agents", &self.agents.len())
             .field("in_flight", &self.in_flight.len())
-            .field("quarantined", &self.quarantined.len())
+            .field("ack_waiters", &self.ack_waiters.len())
             .finish_non_exhaustive()
     }
 }
@@ -134,7 +138,7 @@ impl Sends {
             lease: config.peer_timeout,
             agents: HashMap::new(),
             in_flight: Vec::new(),
-            quarantined: Vec::new(),
+            ack_waiters: HashMap::new(),
             notifications: Encoder::new(agent.to_owned(), secret),
         }
     }
@@ -295,6 +299,7 @@ impl<T: Transport> Writer<T> {
                 bytes,
                 runs,
                 agent,
+                overdue: false,
             }),
             Err((reason, why, detail)) => {
                 let outcome = TableOutcome::Failed(detail.clone());
@@ -412,20 +417,53 @@ impl<T: Transport> Writer<T> {
         Ok((write, plan.stats.bytes, runs, agent))
     }
 
+    /// Writes past their write timeout, before anything drives the transport this turn: each
+    /// is reported quarantined once (counted), and stays held, its source blocks and its table
+    /// entry, until the transport reports it finished. A WRITE cannot be recalled: releasing an
+    /// unfinished one tells NIXL to forget it, not UCX to stop moving its bytes, so P says
+    /// nothing to D (no FAIL, no CANCEL_ACK) before the transport is done with it, and D holds
+    /// its blocks until then.
+    pub(super) fn notice_overdue_writes(&mut self, now: Instant) {
+        let timeout = self.sends.write_timeout;
+        let overdue: Vec<usize> = (0..self.sends.in_flight.len())
+            .filter(|&i| {
+                let w = &self.sends.in_flight[i];
+                !w.overdue && now.saturating_duration_since(w.posted) > timeout
+            })
+            .collect();
+        for i in overdue {
+            self.sends.in_flight[i].overdue = true;
+            Counters::add(&self.shared.counters.quarantined_writes);
+            let w = &self.sends.in_flight[i];
+            let detail = format!(
+                "transfer {}: the WRITE is not done after {timeout:?} (a stalled process or link, or a \
+                 slow peer); P keeps its source blocks, and D its destination blocks, until the \
+                 transport has finished with it",
+                w.key
+            );
+            let event = Event {
+                role: Role::Send,
+                request_id: w.ready.kv.request_id.clone(),
+                key: w.key.clone(),
+                outcome: Outcome::quarantined(detail),
+                bytes: w.bytes,
+                runs: w.runs,
+                timeline: Timeline {
+                    ready: Some(self.seconds(w.ready.at)),
+                    posted: Some(self.seconds(w.posted)),
+                    ..Timeline::default()
+                },
+            };
+            self.emit(event);
+        }
+    }
+
     pub(super) fn poll_writes(&mut self) {
         let mut i = 0;
         while i < self.sends.in_flight.len() {
-            let state = self.transport.poll_write(self.sends.in_flight[i].write);
-            let timed_out = self.sends.in_flight[i].posted.elapsed() > self.sends.write_timeout;
-            let result = match state {
-                Ok(WriteState::InProgress) if !timed_out => {
-                    i += 1;
-                    continue;
-                }
+            let result = match self.transport.poll_write(self.sends.in_flight[i].write) {
                 Ok(WriteState::InProgress) => {
-                    let w = self.sends.in_flight.swap_remove(i);
-                    let reason = format!("write not done after {:?}", self.sends.write_timeout);
-                    self.abandon(w, &reason);
+                    i += 1;
                     continue;
                 }
                 Ok(WriteState::Done) => Ok(()),
@@ -434,43 +472,6 @@ impl<T: Transport> Writer<T> {
             let w = self.sends.in_flight.swap_remove(i);
             self.finish(w, result);
         }
-    }
-
-    /// Gives up on a write: failed once the transport released it, quarantined if it could not.
-    /// Bytes the transport had already handed to the network may still arrive later, within its
-    /// delivery bound, which the advertised horizon includes (`EndpointConfig::delivery_bound`).
-    fn abandon(&mut self, w: InFlight, reason: &str) {
-        if self.transport.abandon_write(w.write) {
-            self.finish(w, Err(format!("{reason}; abandoned")));
-        } else {
-            self.quarantine(w, reason);
-        }
-    }
-
-    /// A write the transport could not stop may still be moving bytes: neither side's blocks may
-    /// be reused, ever. P's event says so (the engine keeps its source blocks), and so does D's
-    /// FAIL (D keeps its destination blocks). The write's agent use is never given back.
-    fn quarantine(&mut self, w: InFlight, reason: &str) {
-        Counters::add(&self.shared.counters.quarantined_writes);
-        let detail = format!(
-            "transfer {}: {reason}, and the transport could not release the WRITE, which may \
-             still be landing: P keeps its source blocks and D must keep its destination \
-             blocks (quarantined)",
-            w.key
-        );
-        self.send(
-            w.registration.peer,
-            Message::Fail(w.registration.fail(FailReason::Quarantined, detail.clone())),
-        );
-        let now = Instant::now();
-        let finished =
-            self.shared.table.finish(&w.key, w.epoch, TableOutcome::Failed(detail.clone()), now);
-        self.report_send(&w.ready, w.key.as_str(), Outcome::quarantined(detail), Some((&w, now)));
-        // A re-registration during the write is into other blocks: serve it.
-        if let Some(m) = finished.ok().and_then(|finished| finished.rematch) {
-            self.write(m);
-        }
-        self.sends.quarantined.push(w);
     }
 
     fn finish(&mut self, w: InFlight, result: Result<(), String>) {
@@ -489,21 +490,28 @@ impl<T: Transport> Writer<T> {
                 Outcome::failed(Reason::WriteError, detail)
             }
         };
+        let mut asked =
+            self.sends.ack_waiters.remove(&(w.key.clone(), w.epoch)).unwrap_or_default();
         let rematch = match finished {
             Ok(finished) => {
                 if finished.cancel_acknowledged {
-                    let ack = CancelAck {
-                        transfer_key: w.key.as_str().to_owned(),
-                        request_id: w.registration.register.request_id.clone(),
-                        epoch: w.epoch,
-                        wrote: true,
-                    };
-                    self.send(w.registration.peer, Message::CancelAck(ack));
+                    asked.push(w.registration.peer);
                 }
                 finished.rematch
             }
             Err(_) => None,
         };
+        asked.sort_unstable();
+        asked.dedup();
+        for peer in asked {
+            let ack = CancelAck {
+                transfer_key: w.key.as_str().to_owned(),
+                request_id: w.registration.register.request_id.clone(),
+                epoch: w.epoch,
+                wrote: true,
+            };
+            self.send(peer, Message::CancelAck(ack));
+        }
         match rematch {
             // D re-registered during the write: P's KV is still needed for the new blocks,
             // so this request's send is not over yet.
@@ -531,11 +539,14 @@ impl<T: Transport> Writer<T> {
         }
     }
 
-    /// The writer died (see `Writer::die`): writes in flight are abandoned (or quarantined), and
-    /// everything left in the table ends, writes in flight that the panic orphaned too.
+    /// The writer died (see `Writer::die`): nothing will drive the transport again, so the
+    /// writes in flight move no more of P's bytes and their sends fail (P's blocks are free).
+    /// D is told nothing of them: its word would claim the transport finished, and it did not;
+    /// D holds their blocks until it finds this endpoint gone. Everything left in the table
+    /// ends, and D hears of registrations that were never written.
     pub(super) fn fail_sends(&mut self, reason: &str, at: Instant) {
         for w in std::mem::take(&mut self.sends.in_flight) {
-            self.abandon(w, reason);
+            self.cut(w, reason, at);
         }
         for expired in self.shared.table.drain(at) {
             if let Some((_, registration)) = expired.registration {
@@ -553,15 +564,46 @@ impl<T: Transport> Writer<T> {
         }
     }
 
-    /// The endpoint closes: writes in flight get `DRAIN_ON_CLOSE` to finish, then are abandoned.
+    /// A write the transport will never be driven for again (the writer died or closes):
+    /// its send fails; D is not told (see `fail_sends`).
+    fn cut(&mut self, w: InFlight, reason: &str, at: Instant) {
+        let detail = format!("transfer {}: {reason}; the WRITE was not finished", w.key);
+        let _ = self.shared.table.finish(&w.key, w.epoch, TableOutcome::Failed(detail.clone()), at);
+        self.sends.ack_waiters.remove(&(w.key.clone(), w.epoch));
+        let outcome = Outcome::failed(Reason::WriterDied, detail);
+        self.report_send(&w.ready, w.key.as_str(), outcome, Some((&w, at)));
+    }
+
+    /// The endpoint closes: writes in flight get `DRAIN_ON_CLOSE` to finish; the rest are cut
+    /// (the transport is dropped with the writer, and D finds the endpoint gone).
     pub(super) fn drain_writes(&mut self) {
         let deadline = Instant::now() + DRAIN_ON_CLOSE;
         while self.sends.writing() && Instant::now() < deadline {
             self.poll_writes();
             thread::sleep(BUSY_POLL);
         }
+        let at = Instant::now();
         for w in std::mem::take(&mut self.sends.in_flight) {
-            self.abandon(w, "the endpoint closed during the write");
+            self.cut(w, "the endpoint closed during the write", at);
+        }
+    }
+
+    /// D asked, on connection `peer`, to cancel a transfer whose WRITE is in flight: it gets
+    /// the CANCEL_ACK when the transport finished with the WRITE (see `finish`).
+    pub(super) fn acknowledge_when_written(&mut self, peer: PeerId, cancel: Cancel) {
+        let key = TransferKey::from_canonical(&cancel.transfer_key);
+        let writing = self.sends.in_flight.iter().any(|w| w.key == key && w.epoch == cancel.epoch);
+        if writing {
+            self.sends.ack_waiters.entry((key, cancel.epoch)).or_default().push(peer);
+        } else {
+            // It finished between the table's answer and this command: acknowledge now.
+            let ack = CancelAck {
+                transfer_key: cancel.transfer_key,
+                request_id: cancel.request_id,
+                epoch: cancel.epoch,
+                wrote: true,
+            };
+            self.send(peer, Message::CancelAck(ack));
         }
     }
 }

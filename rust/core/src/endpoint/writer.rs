@@ -42,7 +42,7 @@ use crate::layout::KvLayout;
 use crate::planner::Planner;
 use crate::protocol::{Cancel, Fail, Message, Secret};
 use crate::rendezvous::Match;
-use crate::side_channel::{PeerId, PeerInfo, SideChannel};
+use crate::side_channel::{PeerId, PeerInfo, SideChannel, SideChannelError};
 use crate::transport::{MemorySpace, Transport};
 
 use super::events::Event;
@@ -77,12 +77,15 @@ pub(crate) enum Command {
     Fail { peer: PeerId, fail: Fail },
     /// P: D's cancel was applied; acknowledge it and report P's released KV, if any.
     AcknowledgeCancel { peer: PeerId, cancel: Cancel, released: Option<Arc<Ready>> },
+    /// P: D's cancel found the WRITE in flight: acknowledge it on `peer` once the transport
+    /// finished with the WRITE.
+    AcknowledgeWhenWritten { peer: PeerId, cancel: Cancel },
     /// D: register blocks with P and await the KV.
     Expect(Expectation, Instant),
     /// D: stop awaiting a request.
     CancelExpectation(String),
     /// D: a side channel connection to P was set up (or not).
-    Connected { source: String, result: Result<PeerInfo, String> },
+    Connected { source: String, result: Result<PeerInfo, ConnectFailure> },
     /// A peer finished its handshake.
     PeerJoined(PeerInfo),
     /// A peer is gone: its connection closed at `at`.
@@ -93,6 +96,27 @@ pub(crate) enum Command {
     ReportFanOut(TransferKey),
     /// Close: finish or abandon what is in flight, fail what is pending, exit.
     Stop,
+}
+
+/// Why D could not connect to a P, as far as the fence cares.
+#[derive(Debug, Clone)]
+pub(crate) struct ConnectFailure {
+    /// What went wrong, for the request's event.
+    pub(crate) reason: String,
+    /// Nothing listens at the address (its host refused the connection): an endpoint D lost
+    /// there is gone.
+    pub(crate) refused: bool,
+}
+
+impl ConnectFailure {
+    pub(crate) fn of(error: &SideChannelError) -> Self {
+        let refused = matches!(
+            error,
+            SideChannelError::Connect { source, .. }
+                if source.kind() == std::io::ErrorKind::ConnectionRefused
+        );
+        Self { reason: error.to_string(), refused }
+    }
 }
 
 /// A peer as the writer knows it.
@@ -108,6 +132,9 @@ pub(super) struct Peer {
     pub(super) memory: MemorySpace,
     /// D: how long after losing this P it may still be writing (its advertised horizon).
     pub(super) horizon: Duration,
+    /// D: how long this P's accepted bytes may still land once its endpoint is gone (its
+    /// advertised delivery bound; the horizon when it advertised none).
+    pub(super) delivery_bound: Duration,
     /// The model's KV heads the peer holds, and how many ranks its engine splits them over.
     pub(super) heads: std::ops::Range<u64>,
     pub(super) tp_size: u32,
@@ -192,6 +219,9 @@ impl<T: Transport> Writer<T> {
             if stop {
                 break;
             }
+            // Deadlines first: nothing below may drive the transport for a write before its
+            // deadline was looked at (a stalled process resumes here).
+            self.notice_overdue_writes(Instant::now());
             self.poll_writes();
             self.take_notifications();
             if self.last_deadline_check.elapsed() >= DEADLINE_CHECK {
@@ -227,6 +257,9 @@ impl<T: Transport> Writer<T> {
             Command::Fail { peer, fail } => self.send(peer, Message::Fail(fail)),
             Command::AcknowledgeCancel { peer, cancel, released } => {
                 self.acknowledge_cancel(peer, cancel, released);
+            }
+            Command::AcknowledgeWhenWritten { peer, cancel } => {
+                self.acknowledge_when_written(peer, cancel);
             }
             Command::Expect(expectation, at) => self.expect(expectation, at),
             Command::CancelExpectation(request_id) => self.cancel_expectation(&request_id),
@@ -272,12 +305,17 @@ impl<T: Transport> Writer<T> {
             0 => MAX_HORIZON,
             ms => Duration::from_millis(ms).min(MAX_HORIZON),
         };
+        let delivery_bound = match hello.delivery_bound_ms {
+            0 => horizon,
+            ms => Duration::from_millis(ms).min(horizon),
+        };
         let peer = Peer {
             name: hello.agent_name.clone(),
             agent,
             planner,
             memory: hello.memory,
             horizon,
+            delivery_bound,
             heads: hello.layout.global_heads(),
             tp_size: hello.layout.tp_size,
         };
@@ -285,13 +323,11 @@ impl<T: Transport> Writer<T> {
     }
 
     fn peer_lost(&mut self, peer: PeerId, reason: &str, at: Instant) {
-        let lost = self.peers.remove(&peer);
-        let horizon = lost.as_ref().map_or(MAX_HORIZON, |p| p.horizon);
-        if let Some(Ok(agent)) = lost.map(|p| p.agent) {
+        if let Some(Ok(agent)) = self.peers.remove(&peer).map(|p| p.agent) {
             self.release_agent(&agent);
         }
         self.purge_registrations(peer);
-        self.fence_receives(peer, reason, at, horizon);
+        self.fence_receives(peer, reason, at);
     }
 
     // ---- both: deadlines and the writer's end ---------------------------------------------

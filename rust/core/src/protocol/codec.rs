@@ -494,6 +494,7 @@ mod tests {
                 nonce: 7,
                 echo: 8,
                 write_horizon_ms: 16_000,
+                delivery_bound_ms: 0,
             }),
             Message::Register(register(vec![3, 1, 4, 1 << 31])),
             Message::Done(done()),

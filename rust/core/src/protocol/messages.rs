@@ -59,6 +59,12 @@ pub struct Hello {
     /// told). D hands a lost P's blocks back only after this much time. Milliseconds.
     #[serde(default)]
     pub write_horizon_ms: u64,
+    /// How long bytes the sender's transport had accepted may still land in the peer once the
+    /// sender's endpoint is gone (its process exited, or the endpoint closed and dropped its
+    /// transport): TCP's retransmission span, RDMA's retry budget, 0 on a loopback device.
+    /// Milliseconds. 0 or absent: unknown, and the peer assumes the whole `write_horizon_ms`.
+    #[serde(default)]
+    pub delivery_bound_ms: u64,
     /// The sender's KV cache layout.
     pub layout: KvLayout,
     /// Hash of everything that must match for KV to be interchangeable (model, dtype, KV

@@ -50,7 +50,7 @@
 //!     compatibility: "model-x/bf16".into(),
 //!     versions: vec![1],
 //!     memory: MemorySpace::DRAM,
-//!     nonce: 0, echo: 0, write_horizon_ms: 0,
+//!     nonce: 0, echo: 0, write_horizon_ms: 0, delivery_bound_ms: 0,
 //! };
 //! let local = "127.0.0.1:0".parse()?;
 //! let prefill = SideChannel::start(SideChannelConfig::new(local, "prefill-0"), hello("prefill-0"), Arc::new(Log))?;
