@@ -219,12 +219,13 @@ class Worker:
 
         A receive that ended without its KV snapshots the whole cache as it takes the event, so
         that :meth:`changed_since_failure` can tell whether any byte landed after it (unless
-        ``snapshot`` is false: soaks, which take thousands of such events)."""
+        ``snapshot`` is false: soaks, which take thousands of such events). A ``quarantined``
+        notice is not an end: the blocks stay held, and bytes may still land in them."""
         deadline = time.monotonic() + timeout
         out: list[dict[str, Any]] = []
         while len(out) < count and time.monotonic() < deadline:
             for e in self.endpoint.wait(0.05):
-                if snapshot and e.role == "receive" and e.outcome != "done":
+                if snapshot and e.role == "receive" and e.outcome in ("failed", "cancelled"):
                     self.at_failure[e.request_id] = self.cache_copy()
                 out.append(event_dict(e))
         return out

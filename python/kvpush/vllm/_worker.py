@@ -308,21 +308,23 @@ class PushWorker:
         offset = self._clock_offset
         events = self.endpoint.wait(wait) if wait > 0 else self.endpoint.poll()
         for event in events:
-            decided = self._decided.pop(event.request_id, None)
-            self._record(event, decided, offset)
-            _stats.observe(self._stats, event, decided, offset)
             if event.outcome == "quarantined":
-                # A WRITE the transport could not release may still be moving bytes: these
-                # blocks must never be reused, so the request is never reported finished and
-                # vLLM keeps them allocated. Rare (a transport fault); alert on it.
+                # A notice, not the end: a WRITE may still be moving bytes (P stalled, a link
+                # cut, a peer that never confirmed), so the request is not reported finished and
+                # vLLM keeps its blocks allocated (a receive's even if the request is aborted).
+                # Its final event follows once the transport or P settles it, or never.
+                self._record(event, self._decided.get(event.request_id), offset)
+                _stats.observe(self._stats, event, None, offset)
                 logger.error(
-                    "kvpush: %s of %s quarantined, its KV blocks stay held for good: %s",
+                    "kvpush: %s of %s quarantined, its KV blocks stay held until it settles: %s",
                     event.role,
                     event.request_id,
                     event.reason,
                 )
-                self._recv_blocks.pop(event.request_id, None)
                 continue
+            decided = self._decided.pop(event.request_id, None)
+            self._record(event, decided, offset)
+            _stats.observe(self._stats, event, decided, offset)
             if event.role == "send":
                 if event.outcome == "failed":
                     logger.warning("kvpush: send of %s failed: %s", event.request_id, event.reason)

@@ -11,6 +11,7 @@
 // The modules that own threads, sockets and memory are not loom-modelled (loom models the
 // rendezvous table they build on), so they are left out of `--cfg loom` builds.
 #[cfg(not(loom))]
+pub mod clock;
 pub mod endpoint;
 pub mod key;
 pub mod layout;

@@ -403,6 +403,7 @@ impl Endpoint {
         out.set_item("refused_registrations", stats.refused_registrations)?;
         out.set_item("purged_registrations", stats.purged_registrations)?;
         out.set_item("quarantined_writes", stats.quarantined_writes)?;
+        out.set_item("quarantined_receives", stats.quarantined_receives)?;
         out.set_item("lapsed_leases", stats.lapsed_leases)?;
         out.set_item("late_posts", stats.late_posts)?;
         Ok(out)

@@ -52,6 +52,7 @@ use std::time::{Duration, Instant};
 
 pub use events::{Cause, Event, Outcome, Reason, Role, Timeline};
 
+use crate::clock::BootInstant;
 use crate::key::TransferKey;
 use crate::layout::KvLayout;
 use crate::loopback::LoopbackTransport;
@@ -328,8 +329,12 @@ pub(crate) struct Shared {
     pub(crate) origin: Instant,
     /// Why the writer stopped for good (it panicked); set once.
     pub(crate) dead: OnceLock<String>,
-    /// When the writer last came round its loop, in ms since `origin`.
+    /// When the writer last came round its loop, on the boot-time clock (ms).
     pub(crate) writer_beat_ms: AtomicU64,
+    /// When a thread other than the writer (the side channel's, the engine's) last asked for
+    /// the endpoint's health, on the boot-time clock (ms): what tells a writer stuck while the
+    /// rest of the process runs from a process that was stopped as a whole.
+    pub(crate) others_beat_ms: AtomicU64,
     /// See [`WRITER_STALL`]: the stall threshold of this endpoint.
     pub(crate) stall_after: Duration,
 }
@@ -340,9 +345,9 @@ impl Shared {
         self.inbox.send(command).is_ok()
     }
 
-    /// Milliseconds since `origin`.
+    /// Now on the boot-time clock, in ms (see `clock`).
     pub(crate) fn millis(&self) -> u64 {
-        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+        BootInstant::now().as_millis()
     }
 
     /// `Err(reason)` once the writer died or stalled.
@@ -350,17 +355,31 @@ impl Shared {
         if let Some(reason) = self.dead.get() {
             return Err(reason.clone());
         }
-        // Relaxed: a timestamp read on its own.
+        // Relaxed: timestamps read on their own; a stale one only delays the verdict by a call.
+        let now = self.millis();
         let beat = self.writer_beat_ms.load(Ordering::Relaxed);
-        let silent = Duration::from_millis(self.millis().saturating_sub(beat));
-        if silent > self.stall_after {
-            return Err(format!(
-                "the writer thread has not run for {:.1}s (stuck in a transport call?)",
+        // Every caller is a thread other than the writer: it proves the process runs now.
+        let others = self.others_beat_ms.swap(now, Ordering::Relaxed);
+        match writer_stall(now, beat, others, self.stall_after) {
+            Some(silent) => Err(format!(
+                "the writer thread has not run for {:.1}s while the rest of the process did \
+                 (stuck in a transport call?)",
                 silent.as_secs_f64()
-            ));
+            )),
+            None => Ok(()),
         }
-        Ok(())
     }
+}
+
+/// How long the writer has been stuck, if it is: silent for more than `stall_after` at `now`
+/// (ms) since its last beat, while another thread was seen running (at `others`, the previous
+/// health check) more than `stall_after` after that beat. A process stopped as a whole (SIGSTOP,
+/// a VM pause, a suspend) stopped every thread: on resume the writer looks silent, but so did
+/// everyone else, and it is not judged before it had a chance to run again.
+fn writer_stall(now: u64, beat: u64, others: u64, stall_after: Duration) -> Option<Duration> {
+    let silent = Duration::from_millis(now.saturating_sub(beat));
+    let seen_running_without_it = Duration::from_millis(others.saturating_sub(beat));
+    (silent > stall_after && seen_running_without_it > stall_after).then_some(silent)
 }
 
 /// One worker's push endpoint; see the module docs.
@@ -416,7 +435,8 @@ impl Endpoint {
             origin: Instant::now(),
             counters: Counters::default(),
             dead: OnceLock::new(),
-            writer_beat_ms: AtomicU64::new(0),
+            writer_beat_ms: AtomicU64::new(BootInstant::now().as_millis()),
+            others_beat_ms: AtomicU64::new(BootInstant::now().as_millis()),
             stall_after: WRITER_STALL.max(config.peer_timeout),
         });
         let vram_refusal =
@@ -760,5 +780,28 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
 impl Drop for Endpoint {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STALL: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn a_writer_stuck_while_others_run_is_stalled() {
+        // The writer beat at 1 s; the side channel checked every second since; at 12.5 s:
+        assert_eq!(writer_stall(12_500, 1_000, 11_500, STALL), Some(Duration::from_millis(11_500)));
+        assert_eq!(writer_stall(10_500, 1_000, 9_500, STALL), None, "not silent long enough");
+    }
+
+    #[test]
+    fn a_process_paused_as_a_whole_is_not_a_stalled_writer() {
+        // Everyone stopped at 1 s (the last check was at 1.2 s); the first check after a 10.5 s
+        // pause sees the writer silent, but nobody else ran meanwhile either.
+        assert_eq!(writer_stall(11_700, 1_000, 1_200, STALL), None);
+        // Had the writer still not run by the next check, a second later, it would be judged.
+        assert_eq!(writer_stall(24_000, 1_000, 12_700, STALL), Some(Duration::from_millis(23_000)));
     }
 }

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::clock::BootInstant;
 use crate::key::TransferKey;
 use crate::planner::{BlockList, PlanRequest};
 use crate::protocol::{
@@ -86,6 +87,8 @@ struct InFlight {
     ready: Arc<Ready>,
     matched: Instant,
     posted: Instant,
+    /// `posted` on the boot-time clock: a WRITE's age counts a suspend too (see `clock`).
+    posted_boot: BootInstant,
     bytes: u64,
     runs: u32,
     /// The transport agent written to (the write holds one use of it).
@@ -296,6 +299,7 @@ impl<T: Transport> Writer<T> {
                 ready,
                 matched,
                 posted: Instant::now(),
+                posted_boot: BootInstant::now(),
                 bytes,
                 runs,
                 agent,
@@ -423,12 +427,12 @@ impl<T: Transport> Writer<T> {
     /// unfinished one tells NIXL to forget it, not UCX to stop moving its bytes, so P says
     /// nothing to D (no FAIL, no CANCEL_ACK) before the transport is done with it, and D holds
     /// its blocks until then.
-    pub(super) fn notice_overdue_writes(&mut self, now: Instant) {
+    pub(super) fn notice_overdue_writes(&mut self, now: BootInstant) {
         let timeout = self.sends.write_timeout;
         let overdue: Vec<usize> = (0..self.sends.in_flight.len())
             .filter(|&i| {
                 let w = &self.sends.in_flight[i];
-                !w.overdue && now.saturating_duration_since(w.posted) > timeout
+                !w.overdue && now.saturating_duration_since(w.posted_boot) > timeout
             })
             .collect();
         for i in overdue {

@@ -221,7 +221,7 @@ impl<T: Transport> Writer<T> {
             }
             // Deadlines first: nothing below may drive the transport for a write before its
             // deadline was looked at (a stalled process resumes here).
-            self.notice_overdue_writes(Instant::now());
+            self.notice_overdue_writes(crate::clock::BootInstant::now());
             self.poll_writes();
             self.take_notifications();
             if self.last_deadline_check.elapsed() >= DEADLINE_CHECK {

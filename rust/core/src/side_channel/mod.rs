@@ -385,7 +385,7 @@ struct Shared {
     registry: Mutex<Registry>,
     /// The channel clock's origin: heartbeats carry `clock_ms` from it, and peers' echoes of it
     /// prove on this side's own clock when they were last alive.
-    origin: Instant,
+    origin: crate::clock::BootInstant,
     /// Checks every frame this side receives, on any connection: one set of replay windows per
     /// receiver. Held for one decode (microseconds) at a time.
     decoder: Mutex<Decoder>,
@@ -438,7 +438,7 @@ impl SideChannel {
             handler,
             next_id: AtomicU64::new(1),
             registry: Mutex::new(Registry::default()),
-            origin: Instant::now(),
+            origin: crate::clock::BootInstant::now(),
         });
         let accept = thread::Builder::new().name("kvpush-side-accept".to_owned()).spawn({
             let shared = Arc::clone(&shared);
@@ -653,6 +653,7 @@ impl fmt::Debug for SideChannel {
 impl Shared {
     /// This channel's clock: milliseconds since it started, from 1 (0 means "never" on the wire).
     fn clock_ms(&self) -> u64 {
+        // Boot time, so that a proof of life ages while the host is suspended (see `clock`).
         u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1
     }
 

@@ -1,0 +1,55 @@
+//! The clock that leases, proofs of life and WRITE ages are measured on: `CLOCK_BOOTTIME`.
+//!
+//! `std::time::Instant` is `CLOCK_MONOTONIC`, which stops while the host is suspended: a P that
+//! resumes would believe a proof of life taken before the suspend is as fresh as it was, and
+//! post a WRITE into blocks D may have given up. `CLOCK_BOOTTIME` counts the suspend too. (A
+//! paused virtual machine's guest clocks stop with it, whichever is read: that is why D does not
+//! rely on P's clocks at all before handing blocks back; see `endpoint::awaited`.)
+
+use std::time::Duration;
+
+/// A moment on the boot-time clock; only differences between two of them mean anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BootInstant(Duration);
+
+impl BootInstant {
+    /// Now.
+    pub fn now() -> Self {
+        let now = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+        // Both fields are non-negative for this clock (it counts from boot).
+        let secs = u64::try_from(now.tv_sec).unwrap_or(0);
+        let nanos = u32::try_from(now.tv_nsec).unwrap_or(0);
+        Self(Duration::new(secs, nanos))
+    }
+
+    /// Time from `earlier` to `self` (zero if `earlier` is later).
+    pub fn saturating_duration_since(self, earlier: Self) -> Duration {
+        self.0.saturating_sub(earlier.0)
+    }
+
+    /// Time since `self`.
+    pub fn elapsed(self) -> Duration {
+        Self::now().saturating_duration_since(self)
+    }
+
+    /// Milliseconds since boot: a clock value to carry in a message or an atomic.
+    pub fn as_millis(self) -> u64 {
+        u64::try_from(self.0.as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_forward_with_the_monotonic_clock() {
+        let (boot, mono) = (BootInstant::now(), std::time::Instant::now());
+        std::thread::sleep(Duration::from_millis(20));
+        let (b, m) = (boot.elapsed(), mono.elapsed());
+        assert!(b >= Duration::from_millis(20), "{b:?}");
+        // Without a suspend in between, the two clocks agree to within scheduling noise.
+        assert!(b.abs_diff(m) < Duration::from_millis(50), "{b:?} vs {m:?}");
+        assert!(BootInstant::now() >= boot);
+    }
+}
