@@ -298,10 +298,11 @@ impl Awaited {
 
     /// Fenced leg `leg`'s P endpoint is gone: the leg ends once `settled` (bytes it had handed
     /// to its host may land until then).
-    pub(super) fn gone(&mut self, leg: usize, settled: Instant) {
-        if let LegState::Fenced { until, proof, .. } = &mut self.legs[leg].state {
+    pub(super) fn gone(&mut self, leg: usize, settled: Instant, evidence: &str) {
+        if let LegState::Fenced { until, proof, outcome } = &mut self.legs[leg].state {
             *until = settled;
             *proof = Proof::Gone;
+            *outcome = outcome.clone().because(evidence);
         }
     }
 
@@ -314,10 +315,10 @@ impl Awaited {
 
     /// A fenced leg's P answered (its word, given once nothing of the transfer can land): the
     /// leg ends with its fenced outcome. Returns the CANCELs this calls for.
-    pub(super) fn settle_leg(&mut self, leg: usize) -> Vec<Stop> {
+    pub(super) fn settle_leg(&mut self, leg: usize, evidence: &str) -> Vec<Stop> {
         match &self.legs[leg].state {
             LegState::Fenced { outcome, .. } => {
-                let outcome = outcome.clone();
+                let outcome = outcome.clone().because(evidence);
                 self.end_leg(leg, Some(outcome))
             }
             _ => Vec::new(),
@@ -501,20 +502,20 @@ mod tests {
         a.ask(0, 9);
         assert!(!a.needs_settling());
         assert_eq!(a.leg_asked_on(9), Some(0));
-        assert_eq!(a.settle_leg(0), vec![Stop::Cancel(2)]);
+        assert_eq!(a.settle_leg(0, "P said so"), vec![Stop::Cancel(2)]);
         a.end_leg(1, None);
-        assert_eq!(a.outcome(), lost);
+        assert_eq!(a.outcome(), lost.clone().because("P said so"));
 
         let mut b = awaited(&["p0:1"]);
         register(&mut b, 0, 1);
         b.fence(1, now, &lost);
         let settled = now + Duration::from_secs(2);
-        b.gone(0, settled);
+        b.gone(0, settled, "P is gone");
         assert!(b.fences_passed(now).is_empty(), "bytes its host accepted may still land");
         assert!(b.fences_passed(settled).is_empty());
         assert!(b.is_over());
         assert!(!b.quarantine_due(now + Duration::from_secs(60)), "gone is evidence");
-        assert_eq!(b.outcome(), lost);
+        assert_eq!(b.outcome(), lost.because("P is gone"));
     }
 
     #[test]

@@ -22,8 +22,10 @@ pub enum Outcome {
     /// P: nothing was written because D cancelled or the registration expired first.
     /// D: the cancel was confirmed by P (or P is gone).
     Cancelled(Cause),
-    /// A WRITE was abandoned but the transport could not release it, so it may still be
-    /// landing: the blocks on this side (P's source, D's destination) must never be reused.
+    /// A notice, not an end: a WRITE may still be landing (P: not done within its write
+    /// timeout; D: a lost P has neither confirmed nor been found gone past its horizon), so the
+    /// blocks on this side (P's source, D's destination) must not be reused. The request's final
+    /// event follows once that is settled, or never.
     Quarantined(Cause),
 }
 
@@ -43,6 +45,16 @@ impl Outcome {
         Self::Quarantined(Cause { reason: Reason::Quarantined, detail: detail.into() })
     }
 
+    /// The same outcome, its detail extended by what settled it (`evidence`).
+    pub fn because(self, evidence: &str) -> Self {
+        match self {
+            Self::Done => Self::Done,
+            Self::Failed(cause) => Self::Failed(cause.because(evidence)),
+            Self::Cancelled(cause) => Self::Cancelled(cause.because(evidence)),
+            Self::Quarantined(cause) => Self::Quarantined(cause.because(evidence)),
+        }
+    }
+
     /// Why, unless the transfer was done.
     pub fn cause(&self) -> Option<&Cause> {
         match self {
@@ -60,6 +72,12 @@ pub struct Cause {
     pub reason: Reason,
     /// What happened, for people: the request, the peer, what to do.
     pub detail: String,
+}
+
+impl Cause {
+    fn because(self, evidence: &str) -> Self {
+        Self { reason: self.reason, detail: format!("{}; {evidence}", self.detail) }
+    }
 }
 
 impl std::ops::Deref for Cause {

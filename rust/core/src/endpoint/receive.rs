@@ -215,7 +215,11 @@ impl<T: Transport> Writer<T> {
                     // firewall while P lives would look the same, so the legs still wait out
                     // P's whole horizon, which a running P keeps.
                     let now = Instant::now();
-                    self.settle_source(&source, |leg| Some(now + leg.horizon));
+                    let evidence = format!(
+                        "nothing listens at {source} any more: its endpoint is gone, and D waited \
+                         out its write horizon"
+                    );
+                    self.settle_source(&source, |leg| Some(now + leg.horizon), &evidence);
                 }
             }
         }
@@ -239,8 +243,12 @@ impl<T: Transport> Writer<T> {
                         epoch: awaited.expectation.epoch,
                     });
                 } else {
-                    let settled = now + awaited.legs[leg].delivery_bound;
-                    awaited.gone(leg, settled);
+                    let bound = awaited.legs[leg].delivery_bound;
+                    let evidence = format!(
+                        "another endpoint ({agent}) answers at {source}: the one D lost is gone, \
+                         and its host's accepted bytes had {bound:.1?} more to land"
+                    );
+                    awaited.gone(leg, now + bound, &evidence);
                 }
             }
         }
@@ -256,11 +264,12 @@ impl<T: Transport> Writer<T> {
         &mut self,
         source: &str,
         settled: impl Fn(&super::awaited::Leg) -> Option<Instant>,
+        evidence: &str,
     ) {
         for awaited in self.receives.awaited.values_mut() {
             for leg in awaited.unsettled(source) {
                 if let Some(at) = settled(&awaited.legs[leg]) {
-                    awaited.gone(leg, at);
+                    awaited.gone(leg, at, evidence);
                 }
             }
         }
@@ -565,7 +574,12 @@ impl<T: Transport> Writer<T> {
                     self.end_leg(&ack.request_id, leg, None);
                 } else if let Some(leg) = awaited.leg_asked_on(peer) {
                     // A lost P's word, asked on a new connection: nothing more of it can land.
-                    let stops = awaited.settle_leg(leg);
+                    let evidence = format!(
+                        "{} confirmed, once its transport had finished with the transfer, that \
+                         nothing more of it can land",
+                        awaited.label(leg)
+                    );
+                    let stops = awaited.settle_leg(leg, &evidence);
                     self.stop_legs(&ack.request_id, &stops);
                     self.settle(&ack.request_id);
                 }
@@ -588,11 +602,7 @@ impl<T: Transport> Writer<T> {
             };
             let outcome = Outcome::failed(
                 Reason::PeerLost,
-                format!(
-                    "lost {} for request {request_id}: {reason}; reported once P confirmed, or \
-                     its endpoint was found gone, that no write of it can still land",
-                    awaited.label(leg)
-                ),
+                format!("lost {} for request {request_id}: {reason}", awaited.label(leg)),
             );
             awaited.fence(peer, at, &outcome);
         }
