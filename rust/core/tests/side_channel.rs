@@ -465,6 +465,39 @@ fn a_silent_peer_is_lost_after_peer_timeout() {
 }
 
 #[test]
+fn a_peer_that_does_not_read_is_lost_by_its_frames_deadline_and_never_blocks_the_sender() {
+    let mut slow = config("prefill-0");
+    slow.write_timeout = Duration::from_millis(300);
+    // Not silent, only not reading: silence must not be what ends it.
+    slow.peer_timeout = Duration::from_secs(30);
+    let (prefill, p_events) = start(slow);
+    let mut raw = RawPeer::connect(prefill.local_addr(), None);
+    raw.handshake();
+    let d = only_peer(&prefill);
+    // ~250 KiB frames: the socket buffers fill after a few, and the rest queue.
+    let big = match register(1) {
+        Message::Register(mut r) => {
+            r.groups[0].block_ids = (0..60_000).collect();
+            Message::Register(r)
+        }
+        _ => unreachable!(),
+    };
+    let mut accepted = 0;
+    while prefill.send(d.id, &big).is_ok() {
+        accepted += 1;
+        assert!(accepted < 10_000, "a peer that reads nothing was never given up on");
+    }
+    assert!(accepted > 1, "sends past a full socket buffer are queued, not refused");
+    assert!(p_events.wait_for(|| !p_events.losses(d.id).is_empty()));
+    let losses = p_events.losses(d.id);
+    assert!(
+        losses[0].contains("not reading") && losses[0].contains("queued"),
+        "lost for its frame's deadline or the queue's bound: {losses:?}"
+    );
+    drop(raw);
+}
+
+#[test]
 fn a_peer_that_heartbeats_stays_joined() {
     let (prefill, p_events) = start(config("prefill-0"));
     let (decode, d_events) = start(config("decode-0"));

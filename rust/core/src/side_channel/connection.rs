@@ -29,9 +29,10 @@ pub(super) struct Connection {
     /// Read by the connection's thread, written by any thread (`&TcpStream` is both `Read` and
     /// `Write`), shut down by whoever closes it: one descriptor for all three.
     socket: TcpStream,
-    /// Held while a frame is encoded and written, so that frames are never interleaved and,
-    /// because the channel's one encoder numbers them under it, reach the peer in seq order.
-    write_lock: Mutex<()>,
+    /// Held while a frame is encoded and written or queued, so that frames are never
+    /// interleaved and, because the channel's one encoder numbers them under it, reach the peer
+    /// in seq order. Holds the frames the socket did not take at once (see [`Outbox`]).
+    write_lock: Mutex<Outbox>,
     /// The peer's identity, set once its Hello is accepted and ours is on the wire; until then
     /// the connection is invisible to `send` and `peers`.
     info: OnceLock<PeerInfo>,
@@ -45,6 +46,29 @@ pub(super) struct Connection {
     /// The latest `clock_ms` the peer sent, echoed in our heartbeats. Only grows.
     peer_clock_ms: AtomicU64,
 }
+
+/// Frames written but not yet taken by the socket, oldest first: the sender never waits for a
+/// slow reader (`Connection::post` writes what the socket takes without blocking and queues the
+/// rest), and the connection's own thread finishes them (`Connection::flush`). A frame not
+/// written whole within the write timeout of being queued, or a queue over
+/// [`MAX_QUEUED_BYTES`], closes the connection: the peer is not reading.
+#[derive(Debug, Default)]
+pub(super) struct Outbox {
+    frames: std::collections::VecDeque<Queued>,
+    bytes: usize,
+}
+
+#[derive(Debug)]
+struct Queued {
+    frame: Vec<u8>,
+    /// Bytes of `frame` already written.
+    written: usize,
+    /// When it was queued: its deadline is this plus the write timeout.
+    at: crate::clock::BootInstant,
+}
+
+/// Most bytes one connection may have queued for a peer that is not reading.
+pub(super) const MAX_QUEUED_BYTES: usize = 16 << 20;
 
 impl fmt::Debug for Connection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -63,7 +87,7 @@ impl Connection {
             id,
             addr,
             socket,
-            write_lock: Mutex::new(()),
+            write_lock: Mutex::new(Outbox::default()),
             info: OnceLock::new(),
             close_reason: OnceLock::new(),
             proven_ms: AtomicU64::new(0),
@@ -97,13 +121,93 @@ impl Connection {
         let _ = self.info.set(info);
     }
 
-    /// Frames `message` and writes it whole, within the socket's write timeout.
+    /// Frames `message` and writes it whole, within the socket's write timeout: for the
+    /// handshake, before the connection's thread runs (afterwards, [`post`](Self::post)).
     ///
     /// A failed write may have left part of a frame on the wire, so it closes the connection:
     /// the reader then reports the peer lost.
     pub(super) fn send(&self, encoder: &Encoder, message: &Message) -> io::Result<()> {
         let _frame_order = lock(&self.write_lock);
         self.write_locked(encoder, message)
+    }
+
+    /// Frames `message` and hands it to the socket without waiting: what the socket does not
+    /// take at once is queued behind earlier frames, for the connection's thread to finish
+    /// (see [`Outbox`]). Errs only when the connection is closed or its queue is full (which
+    /// closes it).
+    pub(super) fn post(&self, encoder: &Encoder, message: &Message) -> io::Result<()> {
+        let mut outbox = lock(&self.write_lock);
+        if let Some(reason) = self.close_reason.get() {
+            return Err(io::Error::new(ErrorKind::NotConnected, reason.clone()));
+        }
+        let frame = encoder.encode(message, unix_millis());
+        let written = if outbox.frames.is_empty() { self.write_now(&frame)? } else { 0 };
+        if written < frame.len() {
+            if outbox.bytes + frame.len() > MAX_QUEUED_BYTES {
+                let reason = format!(
+                    "{} bytes queued for the peer and it is not reading: closed",
+                    outbox.bytes
+                );
+                self.close(reason.clone());
+                return Err(io::Error::new(ErrorKind::WouldBlock, reason));
+            }
+            outbox.bytes += frame.len() - written;
+            outbox.frames.push_back(Queued {
+                frame,
+                written,
+                at: crate::clock::BootInstant::now(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes what the socket takes of the queued frames, without waiting; closes the
+    /// connection if the oldest one has waited longer than `write_timeout`. Called by the
+    /// connection's thread on every turn.
+    pub(super) fn flush(&self, write_timeout: std::time::Duration) {
+        let mut outbox = lock(&self.write_lock);
+        while let Some(head) = outbox.frames.front_mut() {
+            if self.close_reason.get().is_some() {
+                return;
+            }
+            let Ok(written) = self.write_now(&head.frame[head.written..]) else { return };
+            head.written += written;
+            if head.written < head.frame.len() {
+                let waited = head.at.elapsed();
+                outbox.bytes -= written;
+                if waited > write_timeout {
+                    self.close(format!(
+                        "the peer took no whole frame within the write timeout ({:.1}s, a frame \
+                         queued {:.1}s ago): it is not reading",
+                        write_timeout.as_secs_f64(),
+                        waited.as_secs_f64()
+                    ));
+                }
+                return;
+            }
+            outbox.bytes -= written;
+            outbox.frames.pop_front();
+        }
+    }
+
+    /// Writes as much of `bytes` as the socket takes right now; an error closes the connection.
+    fn write_now(&self, bytes: &[u8]) -> io::Result<usize> {
+        use rustix::net::{send, SendFlags};
+        let mut written = 0;
+        while written < bytes.len() {
+            match send(&self.socket, &bytes[written..], SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+                Ok(0) => break,
+                Ok(n) => written += n,
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => {
+                    let reason = format!("writing to the peer failed: {e}");
+                    self.close(reason.clone());
+                    return Err(io::Error::new(ErrorKind::BrokenPipe, reason));
+                }
+            }
+        }
+        Ok(written)
     }
 
     /// Completes the handshake on the accepting side: the peer becomes visible and the welcome
@@ -150,7 +254,9 @@ impl Connection {
     /// Sends `reply` if the socket still takes it, then closes for `reason`.
     pub(super) fn reply_and_close(&self, encoder: &Encoder, reply: &Message, reason: String) {
         // Best effort: the peer is being turned away either way; the reply only tells it why.
-        let _ = self.send(encoder, reply);
+        // Without waiting (another thread may be the one closing), and only behind frames
+        // already queued, so that it never interleaves with one.
+        let _ = self.post(encoder, reply);
         self.close(reason);
     }
 
@@ -481,6 +587,7 @@ fn serve(shared: &Shared, conn: &Connection, mut inbound: Inbound) -> String {
         if let Some(reason) = conn.closed() {
             return reason.clone();
         }
+        conn.flush(config.write_timeout);
         let now = Instant::now();
         if now >= next_heartbeat {
             // A worker that cannot act any more (its writer stopped) must not look alive:
@@ -492,7 +599,7 @@ fn serve(shared: &Shared, conn: &Connection, mut inbound: Inbound) -> String {
             heartbeats_sent += 1;
             let heartbeat = heartbeat(shared, conn, heartbeats_sent);
             // A failed write closes the connection; the check at the top of the loop reports it.
-            let _ = conn.send(&shared.encoder, &heartbeat);
+            let _ = conn.post(&shared.encoder, &heartbeat);
             next_heartbeat = now + config.heartbeat_interval;
             continue;
         }
@@ -565,7 +672,7 @@ fn serve(shared: &Shared, conn: &Connection, mut inbound: Inbound) -> String {
             );
             conn.reply_and_close(&shared.encoder, &error.to_reply(), reason);
         } else {
-            let _ = conn.send(&shared.encoder, &error.to_reply());
+            let _ = conn.post(&shared.encoder, &error.to_reply());
         }
     }
 }

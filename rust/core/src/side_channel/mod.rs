@@ -545,15 +545,20 @@ impl SideChannel {
         Ok(info)
     }
 
-    /// Sends `message` to `peer`: framed, signed when a secret is configured, written whole
-    /// within `write_timeout`. Messages to one peer arrive in the order they were sent.
+    /// Sends `message` to `peer`: framed, signed when a secret is configured, and handed to the
+    /// socket without waiting (the caller, the writer thread among them, is never held by a
+    /// slow reader): what the socket does not take at once is queued, and the connection's own
+    /// thread finishes it. A frame not written whole within `write_timeout` of being queued, or
+    /// 16 MiB queued, closes the connection. Messages to one peer arrive in the order they
+    /// were sent.
     ///
     /// # Errors
     ///
     /// [`UnknownPeer`](SideChannelError::UnknownPeer) for a peer that is gone or never joined;
     /// [`Invalid`](SideChannelError::Invalid) for a `hello`, an `attach`, a `done` or a message that breaks
-    /// the limits; [`Io`](SideChannelError::Io) when the write failed (the connection is then
-    /// closed and `peer_lost` follows); [`Closed`](SideChannelError::Closed).
+    /// the limits; [`Io`](SideChannelError::Io) when the connection is closed or the write
+    /// failed (the connection is then closed and `peer_lost` follows);
+    /// [`Closed`](SideChannelError::Closed).
     pub fn send(&self, peer: PeerId, message: &Message) -> Result<(), SideChannelError> {
         let conn = self.shared.joined(peer)?;
         let invalid = |source| SideChannelError::Invalid { peer, source };
@@ -567,7 +572,7 @@ impl SideChannel {
             }));
         }
         message.validate(&self.shared.config.limits).map_err(invalid)?;
-        conn.send(&self.shared.encoder, message).map_err(|source| SideChannelError::Io {
+        conn.post(&self.shared.encoder, message).map_err(|source| SideChannelError::Io {
             peer,
             addr: conn.addr,
             source,
