@@ -514,3 +514,28 @@ fn a_cancel_p_never_acknowledges_ends_after_the_disconnect_and_the_horizon() {
     assert!(cancelled_at.elapsed() >= 2 * horizon, "D ended the cancel inside P's horizon");
     assert!(p.peers().is_empty(), "D kept proving itself alive to a P that never acknowledged");
 }
+
+#[test]
+fn a_p_slow_to_connect_to_does_not_hold_up_the_connects_behind_it() {
+    let p_cache = Cache::new(16, |i| (i % 11) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-p-fast");
+    let d = d_cache.endpoint_with("ep-d-two", Fault::None, |c| {
+        c.connect_timeout = Duration::from_secs(3);
+    });
+    // Accepts TCP connections (the kernel does) but never answers a Hello: a connect to it
+    // takes the whole connect timeout.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut slow = expectation(&p, "req-slow", &[1, 2], 0, 20);
+    slow.sources = vec![silent.local_addr().unwrap().to_string()];
+    d.expect(slow).unwrap();
+    d.expect(expectation(&p, "req-fast", &[3, 4], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    p.ready(ready("req-fast", &[5, 6], 20)).unwrap();
+    let first = events(&d, 1);
+    assert_eq!(first[0].request_id, "req-fast", "{first:?}");
+    assert_eq!(first[0].outcome, Outcome::Done, "{first:?}");
+    let second = events(&d, 1);
+    assert_eq!(second[0].request_id, "req-slow", "{second:?}");
+    assert_eq!(reason_of(&second[0]), Some(Reason::Unreachable), "{second:?}");
+}

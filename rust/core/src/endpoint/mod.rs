@@ -29,12 +29,13 @@
 //! - `send`: P's send path: a match is planned, fenced by D's lease, posted, polled and
 //!   finished, and reported as one `Send` event.
 //! - `receive`: D's receive path: registration with each P rank, DONEs, FAILs, cancels and
-//!   lost connections, reported as one `Receive` event.
+//!   lost connections, reported as one `Receive` event; `connector` makes its connections.
 //! - `fanout` (P) and `awaited` (D): one request's state when P and D run different tensor
 //!   parallel sizes (one P rank written into several D ranks; one D rank fed by several P ranks).
 //! - `events`: what the endpoint reports.
 
 mod awaited;
+mod connector;
 mod control;
 mod events;
 mod fanout;
