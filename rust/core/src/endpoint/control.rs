@@ -165,7 +165,21 @@ impl Control {
                     _ => FailReason::Refused,
                 };
                 self.refuse(peer, &reply_to, reason, error.to_string());
+                self.release_fanout(&reply_to, None, now);
             }
+        }
+    }
+
+    /// A slot registration of a transfer written into several D ranks left the table unwritten
+    /// (refused, or cancelled by D): its group goes if no slot holds a registration any more
+    /// (see `fanout::release`).
+    fn release_fanout(&self, register: &Register, fence: Option<FenceReason>, now: Instant) {
+        if register.fanout <= 1 {
+            return;
+        }
+        let key = TransferKey::from_canonical(&register.transfer_key);
+        if let Some((base, _)) = key.split_slot() {
+            fanout::release(&self.shared, &base, fence, now);
         }
     }
 
@@ -231,13 +245,19 @@ impl Control {
     fn cancel(&self, peer: PeerId, cancel: crate::protocol::Cancel) {
         let Some(owner) = lock(&self.peers).get(&peer).map(|entry| entry.owner) else { return };
         let key = TransferKey::from_canonical(&cancel.transfer_key);
-        let outcome =
-            self.shared.table.cancel_owned(&key, Some(cancel.epoch), Some(owner), Instant::now());
+        let now = Instant::now();
+        let outcome = self.shared.table.cancel_owned(&key, Some(cancel.epoch), Some(owner), now);
         let released = match outcome {
             // The in-flight write's `finish` acknowledges it.
             Cancelled::Deferred => return,
             Cancelled::NotFound => None,
-            Cancelled::Removed { ready, .. } => ready,
+            Cancelled::Removed { registration, ready } => {
+                if let (Some(registration), None) = (&registration, &ready) {
+                    let fence = Some(FenceReason::Cancelled);
+                    self.release_fanout(&registration.register, fence, now);
+                }
+                ready
+            }
         };
         self.shared.send(Command::AcknowledgeCancel { peer, cancel, released });
     }

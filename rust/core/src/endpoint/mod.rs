@@ -621,6 +621,12 @@ impl Endpoint {
         self.shared.table.len()
     }
 
+    /// P: transfers held for several D ranks (D runs a larger tensor parallel size), whether or
+    /// not P's KV came yet. Each ends with its slots' registrations or its send.
+    pub fn fanouts(&self) -> usize {
+        lock(&self.shared.fanouts).len()
+    }
+
     /// What went wrong without ending a request.
     pub fn stats(&self) -> Stats {
         let c = &self.shared.counters;
