@@ -539,3 +539,34 @@ fn a_p_slow_to_connect_to_does_not_hold_up_the_connects_behind_it() {
     assert_eq!(second[0].request_id, "req-slow", "{second:?}");
     assert_eq!(reason_of(&second[0]), Some(Reason::Unreachable), "{second:?}");
 }
+
+#[test]
+fn a_host_s_registrations_are_capped_in_bytes_and_the_budget_is_given_back() {
+    let p_cache = Cache::new(16, |_| 3);
+    let d_cache = Cache::new(16, |_| 0);
+    // Room for one registration of 400 block ids (1,600 bytes of ids), not for two.
+    let p = p_cache.endpoint_with("ep-p-bytes", Fault::None, |c| {
+        c.max_registration_bytes_per_host = 3_000;
+    });
+    let d = d_cache.endpoint("ep-d-bytes");
+    let many: Vec<u32> = (0..400).collect();
+    d.expect(expectation(&p, "req-big-1", &many, 0, 400 * 16)).unwrap();
+    wait_for_registration(&p);
+    d.expect(expectation(&p, "req-big-2", &many, 0, 400 * 16)).unwrap();
+    let refused = events(&d, 1);
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].request_id, "req-big-2");
+    assert_eq!(reason_of(&refused[0]), Some(Reason::Refused));
+    let detail = &refused[0].outcome.cause().unwrap().detail;
+    assert!(detail.contains("budget of 3000 bytes"), "{detail}");
+    assert!(detail.contains("max_registration_bytes_per_host"), "{detail}");
+    assert_eq!(p.stats().refused_registrations, 1);
+    assert_eq!(p.pending(), 1, "the first registration stands");
+
+    // Cancelled, the first one gives its bytes back: a registration of its size fits again.
+    d.cancel("req-big-1").unwrap();
+    assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Cancelled(_), .. }]));
+    d.expect(expectation(&p, "req-big-3", &many, 0, 400 * 16)).unwrap();
+    wait_for_registration(&p);
+    assert_eq!(p.stats().refused_registrations, 1);
+}

@@ -181,8 +181,9 @@ impl Endpoint {
         nixl_progress_thread = false, device = None, bind = "127.0.0.1:0", secret = None,
         compatibility = "",
         write_timeout = 10.0, heartbeat_interval = 1.0, peer_timeout = 5.0, connect_timeout = 3.0,
-        insecure = false, max_registrations_per_host = 16_384, delivery_bound = None,
-        pp_rank = 0, pp_size = 1
+        insecure = false, max_registrations_per_host = 16_384,
+        max_registration_bytes_per_host = 64 << 20, delivery_bound = None, pp_rank = 0,
+        pp_size = 1
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -204,6 +205,7 @@ impl Endpoint {
         connect_timeout: f64,
         insecure: bool,
         max_registrations_per_host: usize,
+        max_registration_bytes_per_host: usize,
         delivery_bound: Option<f64>,
         pp_rank: u32,
         pp_size: u32,
@@ -236,6 +238,7 @@ impl Endpoint {
         config.pp_rank = pp_rank;
         config.pp_size = pp_size;
         config.max_registrations_per_host = max_registrations_per_host;
+        config.max_registration_bytes_per_host = max_registration_bytes_per_host;
         config.delivery_bound = match (delivery_bound, transport) {
             (Some(seconds_given), _) => seconds(seconds_given, "delivery_bound")?,
             (None, "nixl") => kvpush_nixl::delivery_bound().map_err(PyValueError::new_err)?,

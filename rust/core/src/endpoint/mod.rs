@@ -113,6 +113,11 @@ pub struct EndpointConfig {
     /// Most registrations the D peers of one host may hold in P's table at once (a quarter of
     /// the table by default: 16,384).
     pub max_registrations_per_host: usize,
+    /// Most bytes the registrations of one host's D peers may hold in P's table at once, each
+    /// counted at about its decoded size (its block ids at 4 bytes, its strings, a fixed
+    /// overhead). Default 64 MiB: thousands of long prompts' registrations, where the entry cap
+    /// alone would let one host hold 16,384 registrations of up to 16 MiB each.
+    pub max_registration_bytes_per_host: usize,
     /// What control frames and notifications may be: sizes, and the clock skew signed frames
     /// may show (`Limits::default()`).
     pub limits: Limits,
@@ -138,6 +143,7 @@ impl EndpointConfig {
             delivery_bound: LoopbackTransport::DELIVERY_BOUND,
             allow_insecure: false,
             max_registrations_per_host: 16_384,
+            max_registration_bytes_per_host: 64 << 20,
             limits: Limits::default(),
         }
     }
@@ -398,6 +404,16 @@ impl Endpoint {
             echo: 0,
             write_horizon_ms: u64::try_from(config.write_horizon().as_millis()).unwrap_or(u64::MAX),
         };
+        for (name, value) in [
+            ("max_registrations_per_host", config.max_registrations_per_host),
+            ("max_registration_bytes_per_host", config.max_registration_bytes_per_host),
+        ] {
+            if value == 0 {
+                return Err(EndpointError::Invalid(format!(
+                    "{name} must be at least 1 (0 would refuse every request)"
+                )));
+            }
+        }
         let (inbox, commands) = mpsc::channel();
         let (event_sink, events) = mpsc::channel();
         let shared = Arc::new(Shared {
@@ -415,7 +431,10 @@ impl Endpoint {
         let control = Arc::new(Control::new(
             Arc::clone(&shared),
             config.compatibility.clone(),
-            config.max_registrations_per_host,
+            control::Quota {
+                entries: config.max_registrations_per_host,
+                bytes: config.max_registration_bytes_per_host,
+            },
             config.memory,
             vram_refusal,
         ));
