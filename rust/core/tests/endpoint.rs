@@ -570,3 +570,31 @@ fn a_host_s_registrations_are_capped_in_bytes_and_the_budget_is_given_back() {
     wait_for_registration(&p);
     assert_eq!(p.stats().refused_registrations, 1);
 }
+
+#[test]
+fn poll_does_not_wait_behind_another_threads_wait() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let p_cache = Cache::new(16, |_| 5);
+    let p = p_cache.endpoint("ep-p-poll");
+    let returned = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let waiter = scope.spawn(|| {
+            let events = p.wait(Duration::from_secs(5));
+            returned.store(true, Ordering::SeqCst);
+            events
+        });
+        // Polls before and while the waiter holds the events: none waits for it.
+        for _ in 0..50 {
+            assert!(p.poll().is_empty());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!returned.load(Ordering::SeqCst), "a poll waited for the other thread's wait");
+        // P's KV, never registered, expires at once: its event goes to the waiter.
+        let mut orphan = ready("req-poll", &[1], 10);
+        orphan.ttl = Duration::from_millis(50);
+        p.ready(orphan).unwrap();
+        let waited = waiter.join().unwrap();
+        assert_eq!(waited.len(), 1, "{waited:?}");
+        assert_eq!(reason_of(&waited[0]), Some(Reason::Expired));
+    });
+}

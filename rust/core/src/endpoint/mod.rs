@@ -47,7 +47,7 @@ use std::net::SocketAddr;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, TryLockError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -621,12 +621,22 @@ impl Endpoint {
         }
     }
 
-    /// Every event since the last call; never blocks.
+    /// Every event since the last call; never blocks, not even behind a [`wait`](Self::wait)
+    /// in another thread (which takes what arrives meanwhile: each event goes to one caller).
     pub fn poll(&self) -> Vec<Event> {
-        lock(&self.events).try_iter().collect()
+        // A caller may hold Python's GIL, and a `wait` holds the receiver, GIL released, for
+        // up to its timeout: a poll that waited for it would stall every Python thread.
+        let events = match self.events.try_lock() {
+            Ok(events) => events,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => return Vec::new(),
+        };
+        events.try_iter().collect()
     }
 
-    /// Waits up to `timeout` for at least one event, then returns all that are ready.
+    /// Waits up to `timeout` for at least one event, then returns all that are ready. Holds the
+    /// events while it waits: a concurrent `poll` returns nothing, a concurrent `wait` waits
+    /// its turn.
     pub fn wait(&self, timeout: Duration) -> Vec<Event> {
         let events = lock(&self.events);
         match events.recv_timeout(timeout) {
