@@ -306,7 +306,7 @@ fn p_aborting_a_transfer_for_several_d_ranks_fails_each_of_them() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(
-        p[0].abort("p-request", Some("xfer-tp")),
+        p[0].abort("p-request", Some("xfer-tp")).unwrap(),
         kvpush_core::endpoint::AbortOutcome::Released
     );
     for endpoint in &d {
@@ -384,7 +384,7 @@ fn one_p_rank_failing_fails_d_once_naming_it_after_the_other_rank_stopped() {
     }
     // Rank 1's request is aborted before its prefill finished; rank 0 has not finished its
     // either. D must cancel rank 0's registration and hear it confirmed before it reports.
-    p[1].abort("p-request", Some("xfer-tp"));
+    p[1].abort("p-request", Some("xfer-tp")).unwrap();
     let received = events(&d, 1);
     assert_eq!(received.len(), 1, "{received:?}");
     let cause = received[0].outcome.cause().expect("the receive failed");

@@ -9,6 +9,11 @@
 //! host hold at most a [`Quota`] of registrations at once between them, in entries and in bytes,
 //! counted by the [`Slot`] each registration carries, so that no host (however many connections
 //! or engine ids it opens) can fill the table, or P's memory, that every other D shares.
+//!
+//! A reader thread waits at most `ROOM_WAIT` for room in the writer's inbox (see `inbox`); a
+//! registration that finds none is refused (`fail(refused)`, P is overloaded), and a peer's
+//! cancel or reply that finds none even for ending work is dropped and counted: D's deadlines
+//! cover it (an unacknowledged cancel ends in a disconnect and P's horizon).
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -35,6 +40,11 @@ use super::{Counters, Shared};
 
 /// Longest TTL a peer may ask the table to hold a registration for.
 const MAX_REGISTRATION_TTL: Duration = Duration::from_secs(3_600);
+
+/// How long a reader thread waits for room in the writer's inbox before it refuses a
+/// registration (or a handshake): long enough to ride out a burst, short next to the peer's
+/// heartbeat timeout.
+const ROOM_WAIT: Duration = Duration::from_millis(100);
 
 /// What the peers of one host may hold in P's table at once.
 #[derive(Debug, Clone, Copy)]
@@ -171,6 +181,10 @@ impl Control {
 
     fn refuse(&self, peer: PeerId, register: &Register, reason: FailReason, detail: String) {
         Counters::add(&self.shared.counters.refused_registrations);
+        if self.shared.admit_ending().is_err() {
+            // Not even a FAIL fits: D's expectation ends at its own deadline.
+            return;
+        }
         self.shared.send(Command::Fail {
             peer,
             fail: Fail {
@@ -236,10 +250,18 @@ impl Control {
         }
     }
 
-    /// Whether P takes `register` on: room in its host's quota. The quota slot it holds, or why
-    /// not, for D.
+    /// Whether P takes `register` on: room in the writer's inbox (waiting up to `ROOM_WAIT`)
+    /// and in its host's quota. The quota slot it holds, or why not, for D.
     fn admit(&self, entry: &PeerEntry, register: &Register) -> Result<Slot, String> {
         let key = &register.transfer_key;
+        if let Err(full) = self.shared.inbox.wait_for_room(ROOM_WAIT) {
+            Counters::add(&self.shared.counters.overloaded);
+            return Err(format!(
+                "transfer {key}: P is overloaded: {} commands wait for its writer thread \
+                 (capacity {}); retry later, or send the request to another prefill worker",
+                full.queued, full.capacity
+            ));
+        }
         let bytes = registration_bytes(register);
         let host = entry.host;
         Slot::take(&entry.held, bytes, self.quota).map_err(|over| match over {
@@ -383,6 +405,14 @@ impl ControlHandler for Control {
             ));
         }
         self.shared.health()?;
+        if let Err(full) = self.shared.inbox.wait_for_room(ROOM_WAIT) {
+            Counters::add(&self.shared.counters.overloaded);
+            return Err(format!(
+                "this worker is overloaded: {} commands wait for its writer thread (capacity \
+                 {}); retry later",
+                full.queued, full.capacity
+            ));
+        }
         let host = peer.addr.ip();
         let held = Arc::clone(lock(&self.hosts).entry(host).or_default());
         let entry = PeerEntry { owner: owner_of(hello), host, held };
@@ -398,9 +428,16 @@ impl ControlHandler for Control {
     fn message(&self, peer: PeerId, message: Message) {
         match message {
             Message::Register(register) => self.register(peer, register),
-            Message::Cancel(cancel) => self.cancel(peer, cancel),
+            // Dropped when not even ending work fits (counted): see the module docs.
+            Message::Cancel(cancel) => {
+                if self.shared.admit_ending().is_ok() {
+                    self.cancel(peer, cancel);
+                }
+            }
             other => {
-                self.shared.send(Command::FromPeer(peer, other));
+                if self.shared.admit_ending().is_ok() {
+                    self.shared.send(Command::FromPeer(peer, other));
+                }
             }
         }
     }

@@ -42,7 +42,7 @@ use super::writer::{Writer, BUSY_POLL};
 use super::{Counters, EndpointConfig, ReadyKv, Shared, HORIZON_MARGIN};
 
 /// How long a closing writer lets in-flight writes finish before abandoning them.
-const DRAIN_ON_CLOSE: Duration = Duration::from_secs(2);
+pub(super) const DRAIN_ON_CLOSE: Duration = Duration::from_secs(2);
 
 /// D's registration as P's table holds it.
 #[derive(Debug)]
