@@ -11,6 +11,7 @@ it, and nothing else touched.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -309,6 +310,55 @@ def test_an_absurd_ttl_is_refused_and_the_endpoint_stays_healthy() -> None:
         (event,) = pair.d.events(1, timeout=10.0)
         assert event["outcome"] == "done"
         pair.verify([request])
+    finally:
+        pair.close()
+
+
+def test_poll_does_not_wait_for_another_threads_wait() -> None:
+    """A thread in ``wait(5.0)`` holds the endpoint's events, GIL released, for up to 5 s. A
+    ``poll()`` in another thread holds the GIL: it once waited for that lock, stalling every
+    Python thread until the wait ended. It must return at once; an event arriving meanwhile
+    goes to the waiter."""
+    pair = Pair("loopback", None, None)
+    endpoint = pair.p.endpoint
+    waited: list[kvpush.TransferEvent] = []
+    waiting = threading.Event()
+
+    def waiter() -> None:
+        waiting.set()
+        waited.extend(endpoint.wait(5.0))
+
+    thread = threading.Thread(target=waiter, name="kvpush-test-waiter")
+    try:
+        thread.start()
+        waiting.wait()
+        for _ in range(50):
+            assert endpoint.poll() == []
+            time.sleep(0.01)  # lets the waiter run (and, had a poll waited, finish)
+        assert thread.is_alive(), "poll() waited for the other thread's wait() to end"
+        # P's KV, never registered, expires at once: its event ends the waiter's wait.
+        (request,) = make_requests(random.Random(31), 1, "poll")
+        endpoint.ready(request.request_id, [list(request.p_blocks)], request.tokens, ttl=0.05)
+        thread.join(10.0)
+        assert [(e.request_id, e.outcome) for e in waited] == [(request.request_id, "cancelled")]
+    finally:
+        thread.join(10.0)
+        pair.close()
+
+
+def test_a_registration_over_the_hosts_byte_budget_is_refused_with_the_budget() -> None:
+    pair = Pair("loopback", None, None, options={"max_registration_bytes_per_host": 100})
+    try:
+        (request,) = make_requests(random.Random(32), 1, "bytes")
+        pair.d.expect(pair.source, [request])
+        (event,) = pair.d.events(1, timeout=10.0)
+        assert (event["outcome"], event["code"]) == ("failed", "refused"), event
+        assert "max_registration_bytes_per_host" in event["reason"], event
+        assert pair.p.stats()["refused_registrations"] == 1
+        assert pair.p.stats()["overloaded"] == 0
+        with pytest.raises(kvpush.exceptions.ConfigError, match="inbox_capacity"):
+            kvpush.Endpoint("p", pair.p.cache.layout(), memory=[], transport="loopback",
+                            inbox_capacity=0)  # fmt: skip
     finally:
         pair.close()
 

@@ -641,3 +641,56 @@ def test_a_steps_idleness_survives_vllm_binding_then_starting_it() -> None:
     busy = KvPushMetadata(PushMetadata())
     assert not busy.take().idle
     assert not busy.take().idle
+
+
+class BusyEndpoint:
+    """The worker's endpoint while its writer is far behind: every abort, cancel and expect
+    raises ``BusyError`` (nothing done) until ``catch_up``; calls are recorded."""
+
+    def __init__(self, endpoint: Any) -> None:
+        self._endpoint = endpoint
+        self.busy = True
+        self.calls: list[tuple[str, str]] = []
+
+    def _refuse(self, call: str, request_id: str) -> None:
+        self.calls.append((call, request_id))
+        if self.busy:
+            raise kvpush.exceptions.BusyError("the writer is behind")
+
+    def abort(self, request_id: str, transfer_id: str | None = None) -> str:
+        self._refuse("abort", request_id)
+        return "unknown"
+
+    def cancel(self, request_id: str) -> None:
+        self._refuse("cancel", request_id)
+
+    def expect(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        self._refuse("expect", request_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._endpoint, name)
+
+
+def test_work_a_busy_endpoint_refused_fails_alone_or_is_retried_next_step() -> None:
+    from kvpush.vllm._scheduler import PushMetadata, RecvRequest
+
+    caches = cpu_caches(2, 16, 32, seed=None)
+    d = worker("decode-busy", caches, 32, 0)
+    busy = BusyEndpoint(d.endpoint)
+    d._endpoint = busy  # type: ignore[assignment]
+    recv = RecvRequest("d-new", "xfer-new", "127.0.0.1", 5600, 1, ((4, 5),), 0, 40)
+    try:
+        d.apply(PushMetadata(aborts=[("p-gone", "xfer-gone")], recvs=[recv], cancels=["d-old"]))
+        # The expectation was not registered: the request fails now, its blocks reported.
+        _, received, failed = d.take_finished()
+        assert (received, failed) == ({"d-new"}, {"d-new"})
+        assert d.take_load_errors() == {4, 5}
+        # The abort and the cancel are tried again with the next step's, once there is room.
+        busy.busy = False
+        busy.calls.clear()
+        d.apply(PushMetadata(cancels=["d-next"]))
+        assert busy.calls == [("abort", "p-gone"), ("cancel", "d-old"), ("cancel", "d-next")]
+        d.apply(PushMetadata())
+        assert busy.calls[3:] == [], "each is retried until taken, then not again"
+    finally:
+        d.close()

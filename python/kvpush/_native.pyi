@@ -230,9 +230,10 @@ class Endpoint:
     """A worker's push endpoint: side channel, rendezvous table and native writer thread.
 
     ``memory`` lists ``(address, length)`` of the KV cache buffers; they must stay allocated
-    until :meth:`close`. With ``transport="nixl"`` the library is found by
-    :func:`kvpush.nixl.library_path` unless ``nixl_library`` names it; the native writer thread
-    drives NIXL's progress itself unless ``nixl_progress_thread`` asks for NIXL's own thread.
+    until :meth:`close` (for good, if close reports the writer thread stuck). With
+    ``transport="nixl"`` the library is found by :func:`kvpush.nixl.library_path` unless
+    ``nixl_library`` names it; the native writer thread drives NIXL's progress itself unless
+    ``nixl_progress_thread`` asks for NIXL's own thread.
     """
 
     def __init__(
@@ -255,6 +256,8 @@ class Endpoint:
         connect_timeout: float = 3.0,
         insecure: bool = False,
         max_registrations_per_host: int = 16384,
+        max_registration_bytes_per_host: int = 64 << 20,
+        inbox_capacity: int = 16384,
         delivery_bound: float | None = None,
         pp_rank: int = 0,
         pp_size: int = 1,
@@ -283,7 +286,8 @@ class Endpoint:
     ) -> None: ...
     def abort(
         self, request_id: str, transfer_id: str | None = None
-    ) -> Literal["released", "in_flight", "unknown"]: ...
+    ) -> Literal["released", "in_flight", "unknown"]:
+        """Raises :class:`BusyError` when the writer is far behind: nothing was done."""
     def expect(
         self,
         request_id: str,
@@ -297,12 +301,16 @@ class Endpoint:
         ttl: float = 30.0,
         share: tuple[int, int] | None = None,
     ) -> None: ...
-    def cancel(self, request_id: str) -> None: ...
-    def poll(self) -> list[TransferEvent]: ...
+    def cancel(self, request_id: str) -> None:
+        """Raises :class:`BusyError` when the writer is far behind: nothing was done."""
+    def poll(self) -> list[TransferEvent]:
+        """Every event since the last call; never blocks, even while a thread is in wait()."""
     def wait(self, timeout: float) -> list[TransferEvent]: ...
     def clock(self) -> float: ...
     def stats(self) -> dict[str, int]: ...
-    def close(self) -> None: ...
+    def close(self) -> str | None:
+        """None, or what a writer thread stuck in a transport call still held when it was
+        left running (the KV memory must then stay allocated)."""
     def __enter__(self) -> Endpoint: ...
     def __exit__(self, *args: object) -> bool: ...
 
@@ -361,3 +369,4 @@ class TransportError(KvPushError): ...
 class NixlUnavailableError(TransportError): ...
 class ConfigError(KvPushError): ...
 class UnhealthyError(KvPushError): ...
+class BusyError(KvPushError): ...

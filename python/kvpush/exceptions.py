@@ -21,7 +21,8 @@ here, which is where user code should import them from::
     ├── TransportError            the data path (NIXL, loopback) or the side channel failed
     │   └── NixlUnavailableError  NIXL's C API library could not be found or loaded
     ├── ConfigError               a setting is out of range or unsafe (no secret beyond loopback)
-    └── UnhealthyError            the endpoint's writer stopped or stalled: no new work
+    ├── UnhealthyError            the endpoint's writer stopped or stalled: no new work
+    └── BusyError                 the endpoint's writer is behind: nothing was done, retry later
 
 Each instance carries a stable ``code`` (snake_case, for metrics and logs) and, where one is
 known, the ``key`` (transfer key) or ``request`` it concerns.
@@ -29,6 +30,7 @@ known, the ``key`` (transfer key) or ``request`` it concerns.
 
 from kvpush._native import (
     AuthenticationError,
+    BusyError,
     ConfigError,
     DuplicateReadyError,
     FencedError,
@@ -50,6 +52,7 @@ from kvpush._native import (
 
 __all__ = [
     "AuthenticationError",
+    "BusyError",
     "ConfigError",
     "DuplicateReadyError",
     "FencedError",

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO
 
 import kvpush
-from kvpush.exceptions import KvPushError, LayoutError
+from kvpush.exceptions import BusyError, KvPushError, LayoutError
 from kvpush.vllm import _stats
 from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches, sources_of
 from kvpush.vllm._scheduler import PushMetadata, RecvRequest
@@ -145,6 +145,10 @@ class PushWorker:
         self._stats = _stats.empty()
         #: This step computes nothing: the next report may wait for an event (see `apply`).
         self._idle_step = False
+        #: Aborts and cancels the endpoint refused because its writer was far behind
+        #: (`BusyError`: nothing was done); each step tries them again first.
+        self._busy_aborts: list[tuple[str, str | None]] = []
+        self._busy_cancels: list[str] = []
         #: Unix time of the endpoint clock's zero, taken once while the worker is quiet: two
         #: clock reads on a busy machine can be tens of ms apart, which would skew timelines.
         self._clock_offset = 0.0
@@ -242,12 +246,27 @@ class PushWorker:
                 logger.info("kvpush: request %s not sent: %s", send.request_id, error)
                 self._decided.pop(send.request_id, None)
                 self._finished_sending.add(send.request_id)
-        for request_id, transfer_id in metadata.aborts:
-            endpoint.abort(request_id, transfer_id)
+        aborts, self._busy_aborts = [*self._busy_aborts, *metadata.aborts], []
+        for request_id, transfer_id in aborts:
+            try:
+                endpoint.abort(request_id, transfer_id)
+            except BusyError:
+                self._busy_aborts.append((request_id, transfer_id))
         for recv in metadata.recvs:
             self._expect(endpoint, recv)
-        for request_id in metadata.cancels:
-            endpoint.cancel(request_id)
+        cancels, self._busy_cancels = [*self._busy_cancels, *metadata.cancels], []
+        for request_id in cancels:
+            try:
+                endpoint.cancel(request_id)
+            except BusyError:
+                self._busy_cancels.append(request_id)
+        if self._busy_aborts or self._busy_cancels:
+            logger.warning(
+                "kvpush: the endpoint's writer is behind; %d aborts and %d cancels wait for the "
+                "next step",
+                len(self._busy_aborts),
+                len(self._busy_cancels),
+            )
 
     def _expect(self, endpoint: kvpush.Endpoint, recv: RecvRequest) -> None:
         assert self._cache is not None
@@ -256,19 +275,25 @@ class PushWorker:
         except LayoutError as error:
             self._fail_recv(recv.request_id, [b for g in recv.blocks for b in g], str(error))
             return
+        # P's workers listen on consecutive ports from its base (one stage: base + tp rank).
+        try:
+            endpoint.expect(
+                recv.request_id,
+                [f"{recv.remote_host}:{recv.remote_port + rank}" for rank in sources.ranks],
+                [list(group) for group in recv.blocks],
+                self._cache.tokens_to_write(recv.num_tokens),
+                transfer_id=recv.transfer_id,
+                first_tokens=list(recv.first_tokens) or [recv.first_token] * len(recv.blocks),
+                ttl=self._config.receive_timeout,
+                share=sources.share,
+            )
+        except KvPushError as error:
+            # Nothing was registered (the writer is behind, or the request is out of range):
+            # the request fails alone, and `kv_load_failure_policy` applies.
+            self._fail_recv(recv.request_id, [b for g in recv.blocks for b in g], str(error))
+            return
         self._recv_blocks[recv.request_id] = {b for g in recv.blocks for b in g}
         self._decided[recv.request_id] = recv.decided_at
-        # P's workers listen on consecutive ports from its base (one stage: base + tp rank).
-        endpoint.expect(
-            recv.request_id,
-            [f"{recv.remote_host}:{recv.remote_port + rank}" for rank in sources.ranks],
-            [list(group) for group in recv.blocks],
-            self._cache.tokens_to_write(recv.num_tokens),
-            transfer_id=recv.transfer_id,
-            first_tokens=list(recv.first_tokens) or [recv.first_token] * len(recv.blocks),
-            ttl=self._config.receive_timeout,
-            share=sources.share,
-        )
 
     def _fail_recv(self, request_id: str, blocks: Sequence[int], reason: str) -> None:
         logger.warning("kvpush: KV for request %s not received: %s", request_id, reason)
@@ -369,6 +394,8 @@ class PushWorker:
 
     def close(self) -> None:
         if self._endpoint is not None:
-            self._endpoint.close()
+            stuck = self._endpoint.close()
+            if stuck is not None:
+                logger.error("kvpush: closing the endpoint: %s", stuck)
         if self._timeline is not None:
             self._timeline.close()

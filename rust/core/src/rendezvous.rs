@@ -880,6 +880,30 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         }
     }
 
+    /// Whether `key` has a live entry (a half, a match or a write in flight; not a fence).
+    pub fn holds(&self, key: &TransferKey) -> bool {
+        let (hash, shard) = self.shard(key);
+        shard
+            .entries
+            .find(hash, |entry| entry.key.hash == hash && entry.key.key == *key)
+            .is_some_and(|entry| !matches!(entry.state, State::Fenced { .. }))
+    }
+
+    /// Fences `key` as `reason` if the table holds nothing for it (a lapsed fence counts as
+    /// nothing); true if it did. For a key whose halves went elsewhere: P's KV for a transfer
+    /// written into several D ranks, whose every slot ended before the KV was ready.
+    pub fn fence_vacant(&self, key: &TransferKey, reason: FenceReason, now: Instant) -> bool {
+        let (hash, mut shard) = self.shard(key);
+        if let Some(taken) = self.take(&mut shard, hash, key, now) {
+            self.settle(&mut shard, taken.key, taken.kind, taken.state, now);
+            return false;
+        }
+        let fence = self.fence_from(reason, now);
+        let stored = StoredKey { hash, key: key.clone() };
+        self.settle(&mut shard, stored, Kind::Absent, fence, now);
+        true
+    }
+
     /// Live (not ended) entries, fences excluded.
     pub fn len(&self) -> usize {
         // Relaxed: a statistic; it publishes nothing and nothing is read on the strength of it.
@@ -1330,6 +1354,23 @@ mod tests {
             (0, 0, 0),
             "table not drained: {table:?}"
         );
+    }
+
+    #[test]
+    fn only_a_vacant_key_is_fenced_and_only_live_entries_are_held() {
+        let (table, c) = (table(), Clock::new());
+        waiting(table.register(key("a"), 1, "reg", c.at(100), c.at(0)));
+        assert!(table.holds(&key("a")));
+        assert!(!table.fence_vacant(&key("a"), FenceReason::Cancelled, c.at(1)));
+        assert!(table.holds(&key("a")), "a live registration is left alone");
+        assert!(!table.holds(&key("b")));
+        assert!(table.fence_vacant(&key("b"), FenceReason::Expired, c.at(2)));
+        assert!(!table.holds(&key("b")), "a fence is not a live entry");
+        assert_eq!(
+            table.ready(key("b"), vec![1], c.at(100), c.at(3)),
+            Err(RendezvousError::Fenced { key: key("b"), reason: FenceReason::Expired })
+        );
+        assert_drains(&table, &c);
     }
 
     #[test]

@@ -3,10 +3,12 @@
 #![cfg(not(loom))]
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns: a failure is the test failing
 
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpush_core::endpoint::{
-    AbortOutcome, Endpoint, EndpointConfig, Event, Expectation, Outcome, ReadyKv, Reason, Role,
+    AbortOutcome, Endpoint, EndpointConfig, EndpointError, Event, Expectation, Outcome, ReadyKv,
+    Reason, Role,
 };
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::loopback::LoopbackTransport;
@@ -75,8 +77,29 @@ impl Cache {
         fault: Fault,
         tune: impl FnOnce(&mut EndpointConfig),
     ) -> Endpoint {
+        self.endpoint_gated(name, fault, None, tune)
+    }
+
+    /// An endpoint whose writer sticks in the transport (taking notifications, which it does
+    /// every turn of its loop) until `gate` opens.
+    fn endpoint_stalled(
+        &self,
+        name: &str,
+        gate: &Gate,
+        tune: impl FnOnce(&mut EndpointConfig),
+    ) -> Endpoint {
+        self.endpoint_gated(name, Fault::None, Some(gate.clone()), tune)
+    }
+
+    fn endpoint_gated(
+        &self,
+        name: &str,
+        fault: Fault,
+        gate: Option<Gate>,
+        tune: impl FnOnce(&mut EndpointConfig),
+    ) -> Endpoint {
         let inner = LoopbackTransport::new(name).unwrap().with_polls_until_done(2);
-        let mut transport = Faulty { inner, fault, stuck: Vec::new(), slow: Vec::new() };
+        let mut transport = Faulty { inner, fault, stuck: Vec::new(), slow: Vec::new(), gate };
         let region = MemoryRegion {
             addr: self.memory.as_ptr() as u64,
             len: self.memory.len() as u64,
@@ -113,6 +136,52 @@ struct Faulty {
     stuck: Vec<WriteId>,
     /// `SlowWrites`: when each posted WRITE may complete.
     slow: Vec<(WriteId, Instant)>,
+    /// Holds every `take_notifications` until it opens: a writer stuck in a transport call.
+    gate: Option<Gate>,
+}
+
+/// A transport call held until the test opens it.
+#[derive(Clone)]
+struct Gate(Arc<(Mutex<GateState>, Condvar)>);
+
+#[derive(Default)]
+struct GateState {
+    open: bool,
+    /// A caller is held at the gate now.
+    holding: bool,
+}
+
+impl Gate {
+    fn closed() -> Self {
+        Self(Arc::new((Mutex::new(GateState::default()), Condvar::new())))
+    }
+
+    /// Waits here until the gate opens.
+    fn pass(&self) {
+        let (state, changed) = &*self.0;
+        let mut state = state.lock().unwrap();
+        state.holding = !state.open;
+        changed.notify_all();
+        while !state.open {
+            state = changed.wait(state).unwrap();
+        }
+        state.holding = false;
+    }
+
+    fn open(&self) {
+        let (state, changed) = &*self.0;
+        state.lock().unwrap().open = true;
+        changed.notify_all();
+    }
+
+    /// Waits until a caller (the writer) is held at the gate.
+    fn wait_holding(&self) {
+        let (state, changed) = &*self.0;
+        let state = state.lock().unwrap();
+        let (state, _) =
+            changed.wait_timeout_while(state, Duration::from_secs(5), |s| !s.holding).unwrap();
+        assert!(state.holding, "the writer never reached the transport");
+    }
 }
 
 impl Transport for Faulty {
@@ -160,8 +229,29 @@ impl Transport for Faulty {
         self.inner.send_notification(peer, payload)
     }
     fn take_notifications(&mut self, out: &mut Vec<Notification>) -> Result<(), TransportError> {
+        if let Some(gate) = &self.gate {
+            gate.pass();
+        }
         self.inner.take_notifications(out)
     }
+}
+
+/// Waits up to 10 s for `done`; whether it came.
+fn eventually(mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+/// An address nothing listens on.
+fn closed_port() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
 }
 
 fn wait_for_registration(p: &Endpoint) {
@@ -304,7 +394,7 @@ fn p_abort_after_registration_fails_d_without_waiting_for_a_deadline() {
     while p.pending() == 0 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert_eq!(p.abort("req-abort", None), AbortOutcome::Released);
+    assert_eq!(p.abort("req-abort", None).unwrap(), AbortOutcome::Released);
     let received = events(&d, 1);
     assert!(
         matches!(&received[..], [Event { outcome: Outcome::Failed(reason), .. }] if reason.contains("aborted")),
@@ -540,4 +630,167 @@ fn a_cancel_p_never_acknowledges_ends_after_the_disconnect_and_the_horizon() {
         "{received:?}"
     );
     assert!(gone_at.elapsed() >= horizon, "D ended the cancel inside P's horizon");
+}
+
+#[test]
+fn a_host_s_registrations_are_capped_in_bytes_and_the_budget_is_given_back() {
+    let p_cache = Cache::new(16, |_| 3);
+    let d_cache = Cache::new(16, |_| 0);
+    // Room for one registration of 400 block ids (1,600 bytes of ids), not for two.
+    let p = p_cache.endpoint_with("ep-p-bytes", Fault::None, |c| {
+        c.max_registration_bytes_per_host = 3_000;
+    });
+    let d = d_cache.endpoint("ep-d-bytes");
+    let many: Vec<u32> = (0..400).collect();
+    d.expect(expectation(&p, "req-big-1", &many, 0, 400 * 16)).unwrap();
+    wait_for_registration(&p);
+    d.expect(expectation(&p, "req-big-2", &many, 0, 400 * 16)).unwrap();
+    let refused = events(&d, 1);
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].request_id, "req-big-2");
+    assert_eq!(reason_of(&refused[0]), Some(Reason::Refused));
+    let detail = &refused[0].outcome.cause().unwrap().detail;
+    assert!(detail.contains("budget of 3000 bytes"), "{detail}");
+    assert!(detail.contains("max_registration_bytes_per_host"), "{detail}");
+    assert_eq!(p.stats().refused_registrations, 1);
+    assert_eq!(p.pending(), 1, "the first registration stands");
+
+    // Cancelled, the first one gives its bytes back: a registration of its size fits again.
+    d.cancel("req-big-1").unwrap();
+    assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Cancelled(_), .. }]));
+    d.expect(expectation(&p, "req-big-3", &many, 0, 400 * 16)).unwrap();
+    wait_for_registration(&p);
+    assert_eq!(p.stats().refused_registrations, 1);
+}
+
+#[test]
+fn a_writer_that_is_behind_refuses_new_work_instead_of_queueing_it() {
+    let d_cache = Cache::new(16, |_| 0);
+    let gate = Gate::closed();
+    let d = d_cache.endpoint_stalled("ep-d-busy", &gate, |c| c.inbox_capacity = 3);
+    gate.wait_holding();
+    let nowhere = closed_port();
+    let expect = |request_id: &str| {
+        let mut e = expectation(&d, request_id, &[1], 0, 10);
+        e.sources = vec![nowhere.clone()];
+        e
+    };
+    for i in 0..3 {
+        d.expect(expect(&format!("req-{i}"))).unwrap();
+    }
+    let refused = d.expect(expect("req-3")).unwrap_err();
+    assert!(matches!(refused, EndpointError::Busy { queued: 3, capacity: 3 }), "{refused}");
+    assert!(refused.to_string().contains("nothing was done"), "{refused}");
+    // Ending work still fits, up to twice the capacity.
+    for i in 0..3 {
+        d.cancel(&format!("req-{i}")).unwrap();
+    }
+    assert!(matches!(d.cancel("req-0"), Err(EndpointError::Busy { queued: 6, .. })));
+    assert_eq!(d.stats().overloaded, 2);
+
+    // Once the writer catches up, what was queued ends and new work is taken again.
+    gate.open();
+    let ended = events(&d, 3);
+    assert_eq!(ended.len(), 3, "{ended:?}");
+    assert!(ended.iter().all(|e| e.outcome != Outcome::Done), "{ended:?}");
+    assert!(eventually(|| d.expect(expect("req-4")).is_ok()), "the writer never caught up");
+}
+
+#[test]
+fn an_overloaded_p_refuses_registrations_and_new_kv_until_its_writer_catches_up() {
+    let p_cache = Cache::new(16, |_| 5);
+    let d_cache = Cache::new(16, |_| 0);
+    let gate = Gate::closed();
+    let p = p_cache.endpoint_stalled("ep-p-busy", &gate, |c| c.inbox_capacity = 1);
+    let d = d_cache.endpoint("ep-d-busy-p");
+    gate.wait_holding();
+    // D's handshake fills P's inbox (P's writer must load D's agent); its registration then
+    // finds no room, and is refused after a short wait.
+    d.expect(expectation(&p, "req-over", &[1, 2], 0, 20)).unwrap();
+    assert!(eventually(|| p.stats().overloaded >= 1), "the registration was not refused");
+    assert_eq!(p.pending(), 0, "a refused registration is not held");
+    let busy = p.ready(ready("req-other", &[3], 10)).unwrap_err();
+    assert!(matches!(busy, EndpointError::Busy { capacity: 1, .. }), "{busy}");
+
+    gate.open();
+    let received = events(&d, 1);
+    assert_eq!(reason_of(&received[0]), Some(Reason::Refused), "{received:?}");
+    let detail = &received[0].outcome.cause().unwrap().detail;
+    assert!(detail.contains("P is overloaded"), "{detail}");
+    assert!(eventually(|| p.ready(ready("req-later", &[3], 10)).is_ok()));
+}
+
+#[test]
+fn close_does_not_wait_for_a_writer_stuck_in_the_transport() {
+    let p_cache = Cache::new(16, |_| 5);
+    let gate = Gate::closed();
+    let p = p_cache.endpoint_stalled("ep-p-stuck", &gate, |_| {});
+    gate.wait_holding();
+    p.ready(ready("req-left", &[1], 10)).unwrap();
+    let stuck = p.close().unwrap_err();
+    match &stuck {
+        EndpointError::StuckOnClose { left, .. } => {
+            assert!(left.contains("rendezvous table: 1"), "{left}");
+        }
+        other => panic!("{other}"),
+    }
+    assert!(stuck.to_string().contains("do not free it"), "{stuck}");
+    // A later close (the endpoint's drop, say) does not wait again.
+    assert!(matches!(p.close(), Err(EndpointError::StuckOnClose { .. })));
+    // Once the transport lets go, the writer takes the stop ahead of anything queued, and exits.
+    gate.open();
+    assert!(eventually(|| p.close().is_ok()), "the writer did not exit");
+}
+
+#[test]
+fn a_p_slow_to_connect_to_does_not_hold_up_the_connects_behind_it() {
+    let p_cache = Cache::new(16, |i| (i % 11) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-p-fast");
+    let d = d_cache.endpoint_with("ep-d-two", Fault::None, |c| {
+        c.connect_timeout = Duration::from_secs(3);
+    });
+    // Accepts TCP connections (the kernel does) but never answers a Hello: a connect to it
+    // takes the whole connect timeout.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut slow = expectation(&p, "req-slow", &[1, 2], 0, 20);
+    slow.sources = vec![silent.local_addr().unwrap().to_string()];
+    d.expect(slow).unwrap();
+    d.expect(expectation(&p, "req-fast", &[3, 4], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    p.ready(ready("req-fast", &[5, 6], 20)).unwrap();
+    let first = events(&d, 1);
+    assert_eq!(first[0].request_id, "req-fast", "{first:?}");
+    assert_eq!(first[0].outcome, Outcome::Done, "{first:?}");
+    let second = events(&d, 1);
+    assert_eq!(second[0].request_id, "req-slow", "{second:?}");
+    assert_eq!(reason_of(&second[0]), Some(Reason::Unreachable), "{second:?}");
+}
+
+#[test]
+fn poll_does_not_wait_behind_another_threads_wait() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let p_cache = Cache::new(16, |_| 5);
+    let p = p_cache.endpoint("ep-p-poll");
+    let returned = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let waiter = scope.spawn(|| {
+            let events = p.wait(Duration::from_secs(5));
+            returned.store(true, Ordering::SeqCst);
+            events
+        });
+        // Polls before and while the waiter holds the events: none waits for it.
+        for _ in 0..50 {
+            assert!(p.poll().is_empty());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!returned.load(Ordering::SeqCst), "a poll waited for the other thread's wait");
+        // P's KV, never registered, expires at once: its event goes to the waiter.
+        let mut orphan = ready("req-poll", &[1], 10);
+        orphan.ttl = Duration::from_millis(50);
+        p.ready(orphan).unwrap();
+        let waited = waiter.join().unwrap();
+        assert_eq!(waited.len(), 1, "{waited:?}");
+        assert_eq!(reason_of(&waited[0]), Some(Reason::Expired));
+    });
 }

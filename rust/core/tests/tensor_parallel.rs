@@ -306,7 +306,7 @@ fn p_aborting_a_transfer_for_several_d_ranks_fails_each_of_them() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(
-        p[0].abort("p-request", Some("xfer-tp")),
+        p[0].abort("p-request", Some("xfer-tp")).unwrap(),
         kvpush_core::endpoint::AbortOutcome::Released
     );
     for endpoint in &d {
@@ -384,7 +384,7 @@ fn one_p_rank_failing_fails_d_once_naming_it_after_the_other_rank_stopped() {
     }
     // Rank 1's request is aborted before its prefill finished; rank 0 has not finished its
     // either. D must cancel rank 0's registration and hear it confirmed before it reports.
-    p[1].abort("p-request", Some("xfer-tp"));
+    p[1].abort("p-request", Some("xfer-tp")).unwrap();
     let received = events(&d, 1);
     assert_eq!(received.len(), 1, "{received:?}");
     let cause = received[0].outcome.cause().expect("the receive failed");
@@ -428,4 +428,71 @@ fn an_expectation_naming_too_few_p_ranks_fails_before_anything_is_written() {
     assert!(cause.detail.contains("come from 2 rank(s) of P (tp=2)"), "{cause:?}");
     drop((p, d));
     assert!(d_rank.memory.iter().all(|&b| b == 0), "no byte landed in D's blocks");
+}
+
+/// Waits up to 10 s for `done`; whether it came.
+fn eventually(mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+/// Both D ranks' shares of transfer `transfer`, registered with P's one rank.
+fn expect_shares(p: &[Endpoint], d: &[Endpoint], transfer: &str, ttl: Duration) {
+    for (rank, endpoint) in d.iter().enumerate() {
+        let mut e = expectation_of_rank(p, rank as u32, 2, &[1, 2], 8);
+        e.request_id = format!("d-{transfer}");
+        e.transfer_id = Some(transfer.to_owned());
+        e.ttl = ttl;
+        endpoint.expect(e).unwrap();
+    }
+}
+
+/// P's group for a transfer its D ranks registered goes with their registrations when P's KV
+/// never comes: whether they expire, D cancels them, or D's connections are lost.
+#[test]
+fn a_transfer_for_several_d_ranks_is_forgotten_when_its_kv_never_comes() {
+    let p_rank = Rank::new(0, 1, 0xee);
+    let d_ranks: Vec<Rank> = (0..2).map(|r| Rank::new(r, 2, 0)).collect();
+    let p = vec![p_rank.endpoint("gone-p")];
+    let d: Vec<Endpoint> =
+        d_ranks.iter().map(|r| r.endpoint(&format!("gone-d{}", r.tp_rank))).collect();
+    let registered =
+        |transfers: usize| eventually(|| p[0].pending() == 2 && p[0].fanouts() == transfers);
+
+    // Expired: D's lease on them runs out.
+    expect_shares(&p, &d, "xfer-expiring", Duration::from_millis(300));
+    assert!(registered(1), "both slots registered under one group");
+    for endpoint in &d {
+        let ended = events(endpoint, 1);
+        assert_eq!(ended.len(), 1, "{ended:?}");
+        assert!(matches!(ended[0].outcome, Outcome::Failed(_) | Outcome::Cancelled(_)));
+    }
+    assert!(eventually(|| p[0].fanouts() == 0), "the expired transfer's group stayed");
+    // P's KV coming after all is refused at once, as it was while the group stood.
+    let mut late = ready("p-late", &[1, 2], 8);
+    late.transfer_id = Some("xfer-expiring".into());
+    assert!(p[0].ready(late).is_err());
+
+    // Cancelled by both D ranks.
+    expect_shares(&p, &d, "xfer-cancelled", Duration::from_secs(30));
+    assert!(registered(1));
+    for endpoint in &d {
+        endpoint.cancel("d-xfer-cancelled").unwrap();
+        assert!(matches!(events(endpoint, 1)[..], [Event { outcome: Outcome::Cancelled(_), .. }]));
+    }
+    assert!(eventually(|| p[0].fanouts() == 0), "the cancelled transfer's group stayed");
+
+    // Purged: D's connections are lost.
+    expect_shares(&p, &d, "xfer-orphaned", Duration::from_secs(30));
+    assert!(registered(1));
+    drop(d);
+    assert!(eventually(|| p[0].fanouts() == 0), "the lost D ranks' group stayed");
+    assert_eq!(p[0].pending(), 0);
+    assert_eq!(p[0].stats().purged_registrations, 2);
 }

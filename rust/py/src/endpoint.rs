@@ -166,7 +166,9 @@ fn start<T: Transport + 'static>(
     let regions: Vec<MemoryRegion> =
         memory.iter().map(|&(addr, len)| MemoryRegion { addr, len, space }).collect();
     // SAFETY: the Python caller promises (see `Endpoint`'s docs) that the memory stays
-    // allocated until the endpoint is closed; the endpoint's transport is dropped by `close`.
+    // allocated until the endpoint is closed; the endpoint's transport is dropped by `close`,
+    // or, if its writer thread is stuck in a transport call, never: `close` then says so, and
+    // the memory must stay allocated (the process exits).
     unsafe { transport.register_memory(&regions) }.map_err(Error::from)?;
     core::Endpoint::start(config, transport).map_err(Error::from)
 }
@@ -181,7 +183,8 @@ impl Endpoint {
         nixl_progress_thread = false, device = None, bind = "127.0.0.1:0", secret = None,
         compatibility = "",
         write_timeout = 10.0, heartbeat_interval = 1.0, peer_timeout = 5.0, connect_timeout = 3.0,
-        insecure = false, max_registrations_per_host = 16_384, delivery_bound = None,
+        insecure = false, max_registrations_per_host = 16_384,
+        max_registration_bytes_per_host = 64 << 20, inbox_capacity = 16_384, delivery_bound = None,
         pp_rank = 0, pp_size = 1
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -204,6 +207,8 @@ impl Endpoint {
         connect_timeout: f64,
         insecure: bool,
         max_registrations_per_host: usize,
+        max_registration_bytes_per_host: usize,
+        inbox_capacity: usize,
         delivery_bound: Option<f64>,
         pp_rank: u32,
         pp_size: u32,
@@ -236,6 +241,8 @@ impl Endpoint {
         config.pp_rank = pp_rank;
         config.pp_size = pp_size;
         config.max_registrations_per_host = max_registrations_per_host;
+        config.max_registration_bytes_per_host = max_registration_bytes_per_host;
+        config.inbox_capacity = inbox_capacity;
         config.delivery_bound = match (delivery_bound, transport) {
             (Some(seconds_given), _) => seconds(seconds_given, "delivery_bound")?,
             (None, "nixl") => kvpush_nixl::delivery_bound().map_err(PyValueError::new_err)?,
@@ -313,7 +320,8 @@ impl Endpoint {
     }
 
     /// P: the request was aborted. Returns "released" (free the blocks), "in_flight" (wait for
-    /// its event) or "unknown".
+    /// its event) or "unknown"; raises `BusyError` when the writer is far behind (nothing was
+    /// done: keep the blocks and abort again later).
     #[pyo3(signature = (request_id, transfer_id = None))]
     fn abort(
         &self,
@@ -321,7 +329,7 @@ impl Endpoint {
         request_id: &str,
         transfer_id: Option<&str>,
     ) -> PyResult<&'static str> {
-        let outcome = detached(py, || self.0.abort(request_id, transfer_id))?;
+        let outcome = native(py, || self.0.abort(request_id, transfer_id).map_err(Error::from))?;
         Ok(match outcome {
             AbortOutcome::Released => "released",
             AbortOutcome::InFlight => "in_flight",
@@ -369,7 +377,8 @@ impl Endpoint {
         native(py, || self.0.cancel(request_id).map_err(Error::from))
     }
 
-    /// Every event since the last call; never blocks.
+    /// Every event since the last call; never blocks, not even while another thread is in
+    /// `wait` (which then takes what arrives), so the GIL is never held waiting for it.
     fn poll(&self, py: Python<'_>) -> PyResult<Vec<TransferEvent>> {
         let polled = self.0.poll();
         events(py, polled)
@@ -406,6 +415,7 @@ impl Endpoint {
         out.set_item("quarantined_receives", stats.quarantined_receives)?;
         out.set_item("lapsed_leases", stats.lapsed_leases)?;
         out.set_item("late_posts", stats.late_posts)?;
+        out.set_item("overloaded", stats.overloaded)?;
         Ok(out)
     }
 
@@ -431,8 +441,10 @@ impl Endpoint {
     }
 
     /// Stops the writer and the side channel; pending transfers end with "failed". Idempotent.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        detached(py, || self.0.close())
+    /// Returns None, or, when the writer thread was stuck in a transport call and left running
+    /// after a bounded wait, what it still held: the KV memory must then stay allocated.
+    fn close(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        detached(py, || self.0.close().err().map(|error| error.to_string()))
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -441,7 +453,11 @@ impl Endpoint {
 
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
-        self.close(py)?;
+        if let Some(stuck) = self.close(py)? {
+            py.import("logging")?
+                .call_method1("getLogger", ("kvpush",))?
+                .call_method1("warning", ("kvpush: closing the endpoint: %s", stuck))?;
+        }
         Ok(false)
     }
 

@@ -109,6 +109,12 @@ create_exception!(
     KvPushError,
     "The endpoint's writer thread stopped or stalled: it takes on no new work."
 );
+create_exception!(
+    kvpush.exceptions,
+    BusyError,
+    KvPushError,
+    "The endpoint's writer thread is behind (its inbox is full): nothing was done; retry later."
+);
 
 /// Adds every exception class to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -131,6 +137,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NixlUnavailableError", py.get_type::<NixlUnavailableError>())?;
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("UnhealthyError", py.get_type::<UnhealthyError>())?;
+    m.add("BusyError", py.get_type::<BusyError>())?;
     Ok(())
 }
 
@@ -151,6 +158,8 @@ pub(crate) enum Error {
     Config(String),
     /// The endpoint stopped taking work.
     Unhealthy(String),
+    /// The endpoint's writer is behind: nothing was done.
+    Busy(String),
 }
 
 impl From<kvpush_core::transport::TransportError> for Error {
@@ -182,6 +191,8 @@ impl From<kvpush_core::endpoint::EndpointError> for Error {
             E::Closed => Self::Transport { code: "closed", message: error.to_string() },
             E::Invalid(_) => Self::Config(error.to_string()),
             E::Unhealthy(_) => Self::Unhealthy(error.to_string()),
+            E::Busy { .. } => Self::Busy(error.to_string()),
+            E::StuckOnClose { .. } => Self::Transport { code: "stuck", message: error.to_string() },
         }
     }
 }
@@ -267,6 +278,10 @@ impl From<Error> for PyErr {
             Error::Unhealthy(message) => {
                 let class = Python::attach(|py| py.get_type::<UnhealthyError>().unbind());
                 raise(class, &message, "unhealthy", &[])
+            }
+            Error::Busy(message) => {
+                let class = Python::attach(|py| py.get_type::<BusyError>().unbind());
+                raise(class, &message, "busy", &[])
             }
         }
     }

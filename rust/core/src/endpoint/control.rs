@@ -6,13 +6,19 @@
 //!
 //! Every registration belongs to the authenticated peer that made it (its [`Owner`]: D's engine
 //! id and process-unique agent name): no other peer can supersede or cancel it. The peers of one
-//! host hold at most `quota` registrations at once between them, counted by the [`Slot`] each
-//! registration carries, so that no host (however many connections or engine ids it opens) can
-//! fill the table that every other D shares.
+//! host hold at most a [`Quota`] of registrations at once between them, in entries and in bytes,
+//! counted by the [`Slot`] each registration carries, so that no host (however many connections
+//! or engine ids it opens) can fill the table, or P's memory, that every other D shares.
+//!
+//! A reader thread waits at most `ROOM_WAIT` for room in the writer's inbox (see `inbox`); a
+//! registration that finds none is refused (`fail(refused)`, P is overloaded), and a peer's
+//! cancel or reply that finds none even for ending work is dropped and counted: D's deadlines
+//! cover it (an unacknowledged cancel ends in a disconnect and P's horizon).
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
+use std::mem::size_of;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
 use crate::protocol::{
-    Fail, FailReason, Hello, Message, ProtocolError, Register, PROTOCOL_VERSION,
+    BlockGroup, Fail, FailReason, Hello, Message, ProtocolError, Register, PROTOCOL_VERSION,
 };
 use crate::rendezvous::{Arrival, Cancelled, FenceReason, Owner, RendezvousError, TakeReady};
 use crate::side_channel::{ControlHandler, PeerId, PeerInfo};
@@ -35,15 +41,88 @@ use super::{Counters, Shared};
 /// Longest TTL a peer may ask the table to hold a registration for.
 const MAX_REGISTRATION_TTL: Duration = Duration::from_secs(3_600);
 
-/// One of a peer connection's registration slots, given back when the registration that holds
-/// it is dropped (matched and written, superseded, cancelled, expired or purged).
+/// How long a reader thread waits for room in the writer's inbox before it refuses a
+/// registration (or a handshake): long enough to ride out a burst, short next to the peer's
+/// heartbeat timeout.
+const ROOM_WAIT: Duration = Duration::from_millis(100);
+
+/// What the peers of one host may hold in P's table at once.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Quota {
+    /// Registrations (`max_registrations_per_host`).
+    pub(crate) entries: usize,
+    /// Their bytes, as [`registration_bytes`] counts them (`max_registration_bytes_per_host`).
+    pub(crate) bytes: usize,
+}
+
+/// What the registrations of one host hold in P's table now.
+#[derive(Debug, Default)]
+struct Held {
+    entries: AtomicUsize,
+    bytes: AtomicUsize,
+}
+
+/// About what a registration holds in P's memory once decoded: its block ids (4 bytes each), its
+/// strings, each group's list, and the table entry around it. Computed once, when it arrives.
+pub(crate) fn registration_bytes(register: &Register) -> usize {
+    /// The table's entry and hashing around a registration, beyond the value itself.
+    const ENTRY: usize = 64;
+    let strings =
+        [&register.transfer_key, &register.request_id, &register.engine_id, &register.address]
+            .iter()
+            .map(|s| s.len())
+            .sum::<usize>();
+    let groups = register
+        .groups
+        .iter()
+        .map(|g| size_of::<BlockGroup>().saturating_add(g.block_ids.len().saturating_mul(4)))
+        .fold(0usize, usize::saturating_add);
+    (size_of::<Registration>() + ENTRY).saturating_add(strings).saturating_add(groups)
+}
+
+/// One registration's share of its host's [`Quota`]: one entry and its bytes, given back when
+/// the registration that holds it is dropped (matched and written, superseded, cancelled,
+/// expired or purged).
 #[derive(Debug)]
-pub(crate) struct Slot(Arc<AtomicUsize>);
+pub(crate) struct Slot {
+    held: Arc<Held>,
+    bytes: usize,
+}
+
+/// Why a registration found no room in its host's quota.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OverQuota {
+    /// The host holds `quota.entries` registrations already.
+    Entries,
+    /// The registration's bytes would take the host past `quota.bytes`; it held `held`.
+    Bytes { held: usize },
+}
+
+impl Slot {
+    /// One entry and `bytes` of `held`'s quota, if there is room for both.
+    fn take(held: &Arc<Held>, bytes: usize, quota: Quota) -> Result<Self, OverQuota> {
+        // Relaxed: quota counters; the registration itself is published by the table's lock.
+        // Each read-modify-write alone keeps its count exact; an arrival that overshoots backs
+        // its share out again.
+        if held.entries.fetch_add(1, Ordering::Relaxed) >= quota.entries {
+            held.entries.fetch_sub(1, Ordering::Relaxed);
+            return Err(OverQuota::Entries);
+        }
+        let before = held.bytes.fetch_add(bytes, Ordering::Relaxed);
+        if before.saturating_add(bytes) > quota.bytes {
+            held.bytes.fetch_sub(bytes, Ordering::Relaxed);
+            held.entries.fetch_sub(1, Ordering::Relaxed);
+            return Err(OverQuota::Bytes { held: before });
+        }
+        Ok(Self { held: Arc::clone(held), bytes })
+    }
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        // Relaxed: a quota counter; the registration itself is published by the table's lock.
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        // Relaxed: see `take`.
+        self.held.bytes.fetch_sub(self.bytes, Ordering::Relaxed);
+        self.held.entries.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -51,23 +130,25 @@ impl Drop for Slot {
 #[derive(Debug, Clone)]
 struct PeerEntry {
     owner: Owner,
+    /// The peer's host, whose quota its registrations count against.
+    host: IpAddr,
     /// Registrations held now by every peer of this one's host.
-    held: Arc<AtomicUsize>,
+    held: Arc<Held>,
 }
 
 #[derive(Debug)]
 pub(crate) struct Control {
     shared: Arc<Shared>,
     compatibility: String,
-    quota: usize,
+    quota: Quota,
     /// Where this worker's KV lives, and why its transport cannot write into a peer's VRAM
     /// (`None`: it can): a D whose cache the transport cannot reach is refused at the handshake.
     memory: MemorySpace,
     vram_refusal: Option<String>,
     peers: Mutex<HashMap<PeerId, PeerEntry>>,
-    /// Each host's registration count, shared by its peers' entries. One small entry per host
-    /// that ever authenticated.
-    hosts: Mutex<HashMap<IpAddr, Arc<AtomicUsize>>>,
+    /// What each host's registrations hold, shared by its peers' entries. One small entry per
+    /// host that ever authenticated.
+    hosts: Mutex<HashMap<IpAddr, Arc<Held>>>,
 }
 
 /// The owner of every registration a peer with this Hello makes.
@@ -83,7 +164,7 @@ impl Control {
     pub(crate) fn new(
         shared: Arc<Shared>,
         compatibility: String,
-        quota: usize,
+        quota: Quota,
         memory: MemorySpace,
         vram_refusal: Option<String>,
     ) -> Self {
@@ -100,6 +181,10 @@ impl Control {
 
     fn refuse(&self, peer: PeerId, register: &Register, reason: FailReason, detail: String) {
         Counters::add(&self.shared.counters.refused_registrations);
+        if self.shared.admit_ending().is_err() {
+            // Not even a FAIL fits: D's expectation ends at its own deadline.
+            return;
+        }
         self.shared.send(Command::Fail {
             peer,
             fail: Fail {
@@ -116,18 +201,13 @@ impl Control {
         // Messages come only from joined peers, so the entry is there unless the peer was lost
         // meanwhile; then its registration has nobody to be written to.
         let Some(entry) = lock(&self.peers).get(&peer).cloned() else { return };
-        // Relaxed: see `Slot`.
-        if entry.held.fetch_add(1, Ordering::Relaxed) >= self.quota {
-            entry.held.fetch_sub(1, Ordering::Relaxed);
-            let detail = format!(
-                "transfer {}: D's host already holds {} registrations on P; finish or cancel \
-                 some, or raise max_registrations_per_host",
-                register.transfer_key, self.quota
-            );
-            self.refuse(peer, &register, FailReason::Refused, detail);
-            return;
-        }
-        let slot = Slot(Arc::clone(&entry.held));
+        let slot = match self.admit(&entry, &register) {
+            Ok(slot) => slot,
+            Err(detail) => {
+                self.refuse(peer, &register, FailReason::Refused, detail);
+                return;
+            }
+        };
         let now = Instant::now();
         let key = TransferKey::from_canonical(&register.transfer_key);
         if register.fanout > 1 {
@@ -165,7 +245,55 @@ impl Control {
                     _ => FailReason::Refused,
                 };
                 self.refuse(peer, &reply_to, reason, error.to_string());
+                self.release_fanout(&reply_to, None, now);
             }
+        }
+    }
+
+    /// Whether P takes `register` on: room in the writer's inbox (waiting up to `ROOM_WAIT`)
+    /// and in its host's quota. The quota slot it holds, or why not, for D.
+    fn admit(&self, entry: &PeerEntry, register: &Register) -> Result<Slot, String> {
+        let key = &register.transfer_key;
+        if let Err(full) = self.shared.inbox.wait_for_room(ROOM_WAIT) {
+            Counters::add(&self.shared.counters.overloaded);
+            return Err(format!(
+                "transfer {key}: P is overloaded: {} commands wait for its writer thread \
+                 (capacity {}); retry later, or send the request to another prefill worker",
+                full.queued, full.capacity
+            ));
+        }
+        let bytes = registration_bytes(register);
+        let host = entry.host;
+        Slot::take(&entry.held, bytes, self.quota).map_err(|over| match over {
+            OverQuota::Entries => format!(
+                "transfer {key}: D's host {host} already holds {} registrations on P; finish \
+                 or cancel some, or raise max_registrations_per_host",
+                self.quota.entries
+            ),
+            OverQuota::Bytes { .. } if bytes > self.quota.bytes => format!(
+                "transfer {key}: this registration holds {bytes} bytes, more than the {} bytes \
+                 a host's registrations may hold on P; raise max_registration_bytes_per_host",
+                self.quota.bytes
+            ),
+            OverQuota::Bytes { held } => format!(
+                "transfer {key}: D's host {host} already holds {held} bytes of registrations on \
+                 P, and this one ({bytes} bytes) would pass the host's budget of {} bytes; \
+                 finish or cancel some, or raise max_registration_bytes_per_host",
+                self.quota.bytes
+            ),
+        })
+    }
+
+    /// A slot registration of a transfer written into several D ranks left the table unwritten
+    /// (refused, or cancelled by D): its group goes if no slot holds a registration any more
+    /// (see `fanout::release`).
+    fn release_fanout(&self, register: &Register, fence: Option<FenceReason>, now: Instant) {
+        if register.fanout <= 1 {
+            return;
+        }
+        let key = TransferKey::from_canonical(&register.transfer_key);
+        if let Some((base, _)) = key.split_slot() {
+            fanout::release(&self.shared, &base, fence, now);
         }
     }
 
@@ -231,8 +359,8 @@ impl Control {
     fn cancel(&self, peer: PeerId, cancel: crate::protocol::Cancel) {
         let Some(owner) = lock(&self.peers).get(&peer).map(|entry| entry.owner) else { return };
         let key = TransferKey::from_canonical(&cancel.transfer_key);
-        let outcome =
-            self.shared.table.cancel_owned(&key, Some(cancel.epoch), Some(owner), Instant::now());
+        let now = Instant::now();
+        let outcome = self.shared.table.cancel_owned(&key, Some(cancel.epoch), Some(owner), now);
         let released = match outcome {
             // The in-flight write's `finish` acknowledges it, on this connection too (a D that
             // lost P asks again on a new one).
@@ -241,7 +369,13 @@ impl Control {
                 return;
             }
             Cancelled::NotFound => None,
-            Cancelled::Removed { ready, .. } => ready,
+            Cancelled::Removed { registration, ready } => {
+                if let (Some(registration), None) = (&registration, &ready) {
+                    let fence = Some(FenceReason::Cancelled);
+                    self.release_fanout(&registration.register, fence, now);
+                }
+                ready
+            }
         };
         self.shared.send(Command::AcknowledgeCancel { peer, cancel, released });
     }
@@ -275,8 +409,17 @@ impl ControlHandler for Control {
             ));
         }
         self.shared.health()?;
-        let held = Arc::clone(lock(&self.hosts).entry(peer.addr.ip()).or_default());
-        let entry = PeerEntry { owner: owner_of(hello), held };
+        if let Err(full) = self.shared.inbox.wait_for_room(ROOM_WAIT) {
+            Counters::add(&self.shared.counters.overloaded);
+            return Err(format!(
+                "this worker is overloaded: {} commands wait for its writer thread (capacity \
+                 {}); retry later",
+                full.queued, full.capacity
+            ));
+        }
+        let host = peer.addr.ip();
+        let held = Arc::clone(lock(&self.hosts).entry(host).or_default());
+        let entry = PeerEntry { owner: owner_of(hello), host, held };
         lock(&self.peers).insert(peer.id, entry);
         if self.shared.send(Command::PeerJoined(peer.clone())) {
             Ok(())
@@ -289,9 +432,16 @@ impl ControlHandler for Control {
     fn message(&self, peer: PeerId, message: Message) {
         match message {
             Message::Register(register) => self.register(peer, register),
-            Message::Cancel(cancel) => self.cancel(peer, cancel),
+            // Dropped when not even ending work fits (counted): see the module docs.
+            Message::Cancel(cancel) => {
+                if self.shared.admit_ending().is_ok() {
+                    self.cancel(peer, cancel);
+                }
+            }
             other => {
-                self.shared.send(Command::FromPeer(peer, other));
+                if self.shared.admit_ending().is_ok() {
+                    self.shared.send(Command::FromPeer(peer, other));
+                }
             }
         }
     }
@@ -308,5 +458,49 @@ impl ControlHandler for Control {
 
     fn healthy(&self) -> Result<(), String> {
         self.shared.health()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn register(block_ids: u32) -> Register {
+        Register {
+            transfer_key: "xfer-1".into(),
+            request_id: "cmpl-xfer-1-0".into(),
+            epoch: 1,
+            engine_id: "decode-0".into(),
+            address: "10.0.0.7:5600".into(),
+            tp_rank: 0,
+            tp_size: 1,
+            groups: vec![BlockGroup { first_token: 0, block_ids: (0..block_ids).collect() }],
+            num_tokens: 16,
+            ttl_ms: 1_000,
+            fanout: 1,
+        }
+    }
+
+    #[test]
+    fn a_registration_costs_four_bytes_a_block_id_over_a_fixed_overhead() {
+        let empty = registration_bytes(&register(0));
+        assert!(empty >= size_of::<Registration>(), "{empty}");
+        assert_eq!(registration_bytes(&register(1_000)) - empty, 4_000);
+    }
+
+    #[test]
+    fn a_host_s_quota_counts_entries_and_bytes_and_each_slot_gives_its_share_back() {
+        let held = Arc::new(Held::default());
+        let quota = Quota { entries: 2, bytes: 10_000 };
+        let first = Slot::take(&held, 6_000, quota).unwrap();
+        assert_eq!(Slot::take(&held, 6_000, quota).unwrap_err(), OverQuota::Bytes { held: 6_000 });
+        let second = Slot::take(&held, 4_000, quota).unwrap();
+        assert_eq!(Slot::take(&held, 1, quota).unwrap_err(), OverQuota::Entries);
+        drop(first);
+        let third = Slot::take(&held, 6_000, quota).unwrap();
+        drop((second, third));
+        // Relaxed: no other thread touches these.
+        assert_eq!(held.entries.load(Ordering::Relaxed), 0);
+        assert_eq!(held.bytes.load(Ordering::Relaxed), 0);
     }
 }

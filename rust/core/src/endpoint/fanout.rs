@@ -13,13 +13,21 @@
 //! taken off the transfer's plain key and placed under every slot) or not yet (`Endpoint::ready`
 //! places it when it comes). Both happen under the groups' lock, and so does P's abort, so none
 //! of them can miss another.
+//!
+//! A group whose KV P never places (P aborted nothing and reported nothing: the request never
+//! finished its prefill, or its ready went elsewhere) is removed once none of its slots holds a
+//! registration any more: each slot registration that leaves the table unwritten (expired,
+//! purged with its peer, cancelled by D, refused) calls [`release`]. The transfer's plain key is
+//! then fenced, so that P's KV arriving later is refused at once, as the slots' own fences would
+//! have refused it under the group.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use crate::key::TransferKey;
-use crate::rendezvous::{Arrival, Match};
+use crate::rendezvous::{Arrival, FenceReason, Match};
+use crate::sync::lock;
 
 use super::events::{Outcome, Reason};
 use super::send::{Ready, Registration};
@@ -114,6 +122,27 @@ pub(crate) fn place(
         }
     }
     matches
+}
+
+/// A slot registration of `base` left the table without being written. If P's KV was never
+/// placed and no slot holds a registration now, the group goes, and `base` is fenced as `fence`
+/// (when given, and when the table holds nothing for it). Takes the groups' lock, then the
+/// table's: never call it with a table shard locked.
+pub(crate) fn release(
+    shared: &Shared,
+    base: &TransferKey,
+    fence: Option<FenceReason>,
+    now: Instant,
+) {
+    let mut groups = lock(&shared.fanouts);
+    let Some(group) = groups.get(base) else { return };
+    if group.is_placed() || (0..group.slots).any(|slot| shared.table.holds(&base.slot(slot))) {
+        return;
+    }
+    groups.remove(base);
+    if let Some(reason) = fence {
+        shared.table.fence_vacant(base, reason, now);
+    }
 }
 
 #[cfg(test)]

@@ -29,15 +29,19 @@
 //! - `send`: P's send path: a match is planned, fenced by D's lease, posted, polled and
 //!   finished, and reported as one `Send` event.
 //! - `receive`: D's receive path: registration with each P rank, DONEs, FAILs, cancels and
-//!   lost connections, reported as one `Receive` event.
+//!   lost connections, reported as one `Receive` event; `connector` makes its connections.
+//! - `inbox`: the writer's inbox, bounded by admission: new work is refused
+//!   ([`EndpointError::Busy`]) rather than queued without bound behind a writer that is behind.
 //! - `fanout` (P) and `awaited` (D): one request's state when P and D run different tensor
 //!   parallel sizes (one P rank written into several D ranks; one D rank fed by several P ranks).
 //! - `events`: what the endpoint reports.
 
 mod awaited;
+mod connector;
 mod control;
 mod events;
 mod fanout;
+mod inbox;
 mod receive;
 mod send;
 mod writer;
@@ -45,8 +49,8 @@ mod writer;
 use std::net::SocketAddr;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex, OnceLock, TryLockError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -113,6 +117,16 @@ pub struct EndpointConfig {
     /// Most registrations the D peers of one host may hold in P's table at once (a quarter of
     /// the table by default: 16,384).
     pub max_registrations_per_host: usize,
+    /// Most bytes the registrations of one host's D peers may hold in P's table at once, each
+    /// counted at about its decoded size (its block ids at 4 bytes, its strings, a fixed
+    /// overhead). Default 64 MiB: thousands of long prompts' registrations, where the entry cap
+    /// alone would let one host hold 16,384 registrations of up to 16 MiB each.
+    pub max_registration_bytes_per_host: usize,
+    /// Most commands the writer thread's inbox holds before new work is refused: the engine's
+    /// `ready`/`expect` get [`EndpointError::Busy`], a peer's registration a `fail(refused)`
+    /// (after a wait of up to 100 ms). Cancels and aborts are taken up to twice this. Default
+    /// 16,384 (a writer that far behind is stuck, not busy).
+    pub inbox_capacity: usize,
     /// What control frames and notifications may be: sizes, and the clock skew signed frames
     /// may show (`Limits::default()`).
     pub limits: Limits,
@@ -138,6 +152,8 @@ impl EndpointConfig {
             delivery_bound: LoopbackTransport::DELIVERY_BOUND,
             allow_insecure: false,
             max_registrations_per_host: 16_384,
+            max_registration_bytes_per_host: 64 << 20,
+            inbox_capacity: 16_384,
             limits: Limits::default(),
         }
     }
@@ -161,6 +177,11 @@ pub(crate) const HORIZON_MARGIN: Duration = Duration::from_secs(1);
 
 /// Longest TTL a request may be given (P's hold on its KV, D's wait for it).
 pub const MAX_TTL: Duration = Duration::from_secs(24 * 3_600);
+
+/// How much longer than the writer's own drain (`send::DRAIN_ON_CLOSE`) [`Endpoint::close`]
+/// waits for it to exit: time to fail what is pending and end the receives. A writer still
+/// running after that is stuck in a transport call and is left to it.
+const CLOSE_MARGIN: Duration = Duration::from_secs(3);
 
 /// A writer that has not come round its loop for this long (and at least `peer_timeout`) is
 /// reported stalled: the endpoint answers unhealthy and its connections close.
@@ -257,6 +278,36 @@ pub enum EndpointError {
     /// The endpoint was closed.
     #[error("the kvpush endpoint is closed; create a new one")]
     Closed,
+    /// The writer thread is behind: its inbox is full, and nothing was done.
+    #[error(
+        "the kvpush endpoint is overloaded: {queued} commands wait for its writer thread \
+         (capacity {capacity}); nothing was done: retry later, or fail the request over \
+         (recompute it)"
+    )]
+    Busy {
+        /// Commands waiting.
+        queued: usize,
+        /// What new work is admitted against ([`EndpointConfig::inbox_capacity`]).
+        capacity: usize,
+    },
+    /// [`Endpoint::close`] gave up waiting for the writer thread (stuck in a transport call).
+    #[error(
+        "the kvpush writer thread did not stop within {waited:?} of close (stuck in a transport \
+         call?) and was left running, with {left}; its transport still holds the registered KV \
+         memory: do not free it, exit the process"
+    )]
+    StuckOnClose {
+        /// How long close waited.
+        waited: Duration,
+        /// What the endpoint still held: transfers in the table, commands in the inbox.
+        left: String,
+    },
+}
+
+impl From<inbox::Full> for EndpointError {
+    fn from(full: inbox::Full) -> Self {
+        Self::Busy { queued: full.queued, capacity: full.capacity }
+    }
 }
 
 /// Counters of things that went wrong without ending a request, for metrics and logs.
@@ -284,6 +335,9 @@ pub struct Counters {
     /// Writes posted more than the horizon's margin after their lease check (the process was
     /// stopped in between): they may have landed after D's horizon. Alert on any.
     pub late_posts: AtomicU64,
+    /// Work refused, or a peer's message dropped, because the writer's inbox was full (see
+    /// [`EndpointConfig::inbox_capacity`]). Any means the writer is behind: alert on the rate.
+    pub overloaded: AtomicU64,
 }
 
 impl Counters {
@@ -314,6 +368,8 @@ pub struct Stats {
     pub lapsed_leases: u64,
     /// See [`Counters::late_posts`].
     pub late_posts: u64,
+    /// See [`Counters::overloaded`].
+    pub overloaded: u64,
 }
 
 /// State shared by the engine-facing calls, the side channel's handler and the writer.
@@ -324,8 +380,8 @@ pub(crate) struct Shared {
     /// P: transfers written into several D ranks (see `fanout`). Taken around table operations
     /// on such keys only, never while a table shard is locked.
     pub(crate) fanouts: Mutex<fanout::FanOuts>,
-    /// The writer's inbox. `Sender` is `Sync`: every thread sends without a lock.
-    pub(crate) inbox: Sender<Command>,
+    /// The writer's inbox, bounded by admission (see `inbox`).
+    pub(crate) inbox: inbox::Inbox,
     pub(crate) origin: Instant,
     /// Why the writer stopped for good (it panicked); set once.
     pub(crate) dead: OnceLock<String>,
@@ -340,9 +396,25 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Hands `command` to the writer; false once the writer has stopped.
+    /// Hands `command` to the writer; false once the writer has stopped. New and ending work
+    /// is admitted first ([`inbox::Inbox::admit`]).
     pub(crate) fn send(&self, command: Command) -> bool {
-        self.inbox.send(command).is_ok()
+        self.inbox.send(command)
+    }
+
+    /// Room for new work in the writer's inbox; counts a refusal.
+    pub(crate) fn admit(&self) -> Result<(), EndpointError> {
+        self.inbox.admit().map_err(|full| self.overloaded(full))
+    }
+
+    /// Room for work that ends requests; counts a refusal.
+    pub(crate) fn admit_ending(&self) -> Result<(), EndpointError> {
+        self.inbox.admit_ending().map_err(|full| self.overloaded(full))
+    }
+
+    fn overloaded(&self, full: inbox::Full) -> EndpointError {
+        Counters::add(&self.counters.overloaded);
+        full.into()
     }
 
     /// Now on the boot-time clock, in ms (see `clock`).
@@ -388,7 +460,7 @@ pub struct Endpoint {
     shared: Arc<Shared>,
     events: Mutex<Receiver<Event>>,
     side_channel: Arc<SideChannel>,
-    writer: Mutex<Option<JoinHandle<()>>>,
+    writer: Mutex<WriterThread>,
     write_horizon: Duration,
     memory: MemorySpace,
 }
@@ -426,7 +498,18 @@ impl Endpoint {
                 .unwrap_or(u64::MAX)
                 .max(1),
         };
-        let (inbox, commands) = mpsc::channel();
+        for (name, value) in [
+            ("inbox_capacity", config.inbox_capacity),
+            ("max_registrations_per_host", config.max_registrations_per_host),
+            ("max_registration_bytes_per_host", config.max_registration_bytes_per_host),
+        ] {
+            if value == 0 {
+                return Err(EndpointError::Invalid(format!(
+                    "{name} must be at least 1 (0 would refuse every request)"
+                )));
+            }
+        }
+        let (inbox, commands) = inbox::inbox(config.inbox_capacity);
         let (event_sink, events) = mpsc::channel();
         let shared = Arc::new(Shared {
             table: RendezvousTable::new(config.table.clone()),
@@ -444,7 +527,10 @@ impl Endpoint {
         let control = Arc::new(Control::new(
             Arc::clone(&shared),
             config.compatibility.clone(),
-            config.max_registrations_per_host,
+            control::Quota {
+                entries: config.max_registrations_per_host,
+                bytes: config.max_registration_bytes_per_host,
+            },
             config.memory,
             vram_refusal,
         ));
@@ -485,7 +571,7 @@ impl Endpoint {
             shared,
             events: Mutex::new(events),
             side_channel,
-            writer: Mutex::new(Some(handle)),
+            writer: Mutex::new(WriterThread { handle: Some(handle), waited: false }),
             write_horizon: config.write_horizon(),
             memory: config.memory,
         })
@@ -498,10 +584,13 @@ impl Endpoint {
 
     /// P: the request's KV is computed. The write starts at once if D already registered.
     ///
-    /// An error means no write will happen (e.g. D cancelled first): free the blocks now.
+    /// An error means no write will happen (e.g. D cancelled first, or [`EndpointError::Busy`]:
+    /// the writer is behind): free the blocks now.
     pub fn ready(&self, ready: ReadyKv) -> Result<(), EndpointError> {
         self.shared.health().map_err(EndpointError::Unhealthy)?;
         check_ttl(&ready.request_id, ready.ttl)?;
+        // Before the table: a match once made must reach the writer.
+        self.shared.admit()?;
         let key = TransferKey::for_request(ready.transfer_id.as_deref(), &ready.request_id);
         let now = Instant::now();
         let deadline = now + ready.ttl;
@@ -540,7 +629,19 @@ impl Endpoint {
 
     /// P: the request was aborted (or finished without KV to send). D is told if it had
     /// registered; see [`AbortOutcome`] for what to do with the blocks.
-    pub fn abort(&self, request_id: &str, transfer_id: Option<&str>) -> AbortOutcome {
+    ///
+    /// [`EndpointError::Busy`] when even ending work finds the writer's inbox full: nothing was
+    /// done (a write may still happen); keep the blocks and abort again later.
+    pub fn abort(
+        &self,
+        request_id: &str,
+        transfer_id: Option<&str>,
+    ) -> Result<AbortOutcome, EndpointError> {
+        self.shared.admit_ending()?;
+        Ok(self.abort_admitted(request_id, transfer_id))
+    }
+
+    fn abort_admitted(&self, request_id: &str, transfer_id: Option<&str>) -> AbortOutcome {
         let key = TransferKey::for_request(transfer_id, request_id);
         let now = Instant::now();
         {
@@ -609,11 +710,13 @@ impl Endpoint {
     }
 
     /// D: register `expectation`'s blocks with P (connecting to it first if needed) and wait
-    /// for the KV. Ends in a `Received`, `Failed` or `Cancelled` event.
+    /// for the KV. Ends in a `Received`, `Failed` or `Cancelled` event; an error means nothing
+    /// was registered ([`EndpointError::Busy`]: the writer is behind; recompute the request).
     pub fn expect(&self, expectation: Expectation) -> Result<(), EndpointError> {
         self.shared.health().map_err(EndpointError::Unhealthy)?;
         check_ttl(&expectation.request_id, expectation.ttl)?;
         check_sources(&expectation)?;
+        self.shared.admit()?;
         if self.shared.send(Command::Expect(expectation, Instant::now())) {
             Ok(())
         } else {
@@ -623,7 +726,9 @@ impl Endpoint {
 
     /// D: stop waiting for `request_id` (aborted or preempted). P is asked to cancel; the
     /// `Cancelled` event comes once P confirmed no write can still land (or P is gone).
+    /// [`EndpointError::Busy`]: nothing was done (the writer is far behind); cancel again later.
     pub fn cancel(&self, request_id: &str) -> Result<(), EndpointError> {
+        self.shared.admit_ending()?;
         if self.shared.send(Command::CancelExpectation(request_id.to_owned())) {
             Ok(())
         } else {
@@ -631,12 +736,22 @@ impl Endpoint {
         }
     }
 
-    /// Every event since the last call; never blocks.
+    /// Every event since the last call; never blocks, not even behind a [`wait`](Self::wait)
+    /// in another thread (which takes what arrives meanwhile: each event goes to one caller).
     pub fn poll(&self) -> Vec<Event> {
-        lock(&self.events).try_iter().collect()
+        // A caller may hold Python's GIL, and a `wait` holds the receiver, GIL released, for
+        // up to its timeout: a poll that waited for it would stall every Python thread.
+        let events = match self.events.try_lock() {
+            Ok(events) => events,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => return Vec::new(),
+        };
+        events.try_iter().collect()
     }
 
-    /// Waits up to `timeout` for at least one event, then returns all that are ready.
+    /// Waits up to `timeout` for at least one event, then returns all that are ready. Holds the
+    /// events while it waits: a concurrent `poll` returns nothing, a concurrent `wait` waits
+    /// its turn.
     pub fn wait(&self, timeout: Duration) -> Vec<Event> {
         let events = lock(&self.events);
         match events.recv_timeout(timeout) {
@@ -648,6 +763,12 @@ impl Endpoint {
     /// Transfers waiting in the rendezvous table (P side).
     pub fn pending(&self) -> usize {
         self.shared.table.len()
+    }
+
+    /// P: transfers held for several D ranks (D runs a larger tensor parallel size), whether or
+    /// not P's KV came yet. Each ends with its slots' registrations or its send.
+    pub fn fanouts(&self) -> usize {
+        lock(&self.shared.fanouts).len()
     }
 
     /// What went wrong without ending a request.
@@ -664,6 +785,7 @@ impl Endpoint {
             quarantined_receives: c.quarantined_receives.load(Ordering::Relaxed),
             lapsed_leases: c.lapsed_leases.load(Ordering::Relaxed),
             late_posts: c.late_posts.load(Ordering::Relaxed),
+            overloaded: c.overloaded.load(Ordering::Relaxed),
         }
     }
 
@@ -691,14 +813,63 @@ impl Endpoint {
     }
 
     /// Stops the writer (failing what is still pending) and the side channel. Idempotent.
-    pub fn close(&self) {
-        self.shared.send(Command::Stop);
-        if let Some(handle) = lock(&self.writer).take() {
-            // The writer exits within one poll interval of `Stop`; a panic in it has already
-            // been reported by the panic hook, and there is nothing left to clean up here.
+    ///
+    /// Bounded: the writer gets `DRAIN_ON_CLOSE` for its writes in flight and [`CLOSE_MARGIN`]
+    /// more to exit. One stuck in a transport call is left running, and close answers
+    /// [`EndpointError::StuckOnClose`] with what it held (a later close answers it again, at
+    /// once, while the writer still runs); its transport, which holds the registered KV memory,
+    /// is then never dropped, so that memory must stay allocated (exit the process).
+    pub fn close(&self) -> Result<(), EndpointError> {
+        self.shared.inbox.stop();
+        let result = lock(&self.writer).stop(send::DRAIN_ON_CLOSE + CLOSE_MARGIN, || {
+            format!(
+                "transfers pending in the rendezvous table: {}, commands in its inbox: {}",
+                self.shared.table.len(),
+                self.shared.inbox.queued()
+            )
+        });
+        // Closed whatever the writer does: D peers stop proving life to us, so that their
+        // fences run out.
+        self.side_channel.close();
+        result
+    }
+}
+
+/// The writer thread's handle, for a close bounded in time.
+#[derive(Debug)]
+struct WriterThread {
+    /// `None` once joined.
+    handle: Option<JoinHandle<()>>,
+    /// A close already waited its bound for this thread: later ones do not wait again.
+    waited: bool,
+}
+
+/// How often [`WriterThread::stop`] looks whether the writer exited.
+const JOIN_POLL: Duration = Duration::from_millis(2);
+
+impl WriterThread {
+    /// Joins the writer if it exits within `bound` (no wait if a close already waited);
+    /// otherwise leaves it running and says what `left` describes.
+    fn stop(
+        &mut self,
+        bound: Duration,
+        left: impl FnOnce() -> String,
+    ) -> Result<(), EndpointError> {
+        let Some(handle) = &self.handle else { return Ok(()) };
+        let deadline = Instant::now() + if self.waited { Duration::ZERO } else { bound };
+        while !handle.is_finished() && Instant::now() < deadline {
+            thread::sleep(JOIN_POLL);
+        }
+        self.waited = true;
+        if !handle.is_finished() {
+            return Err(EndpointError::StuckOnClose { waited: bound, left: left() });
+        }
+        if let Some(handle) = self.handle.take() {
+            // A panic in the writer has already been reported by the panic hook and handled
+            // by `watch`; there is nothing left to clean up here.
             let _ = handle.join();
         }
-        self.side_channel.close();
+        Ok(())
     }
 }
 
@@ -779,7 +950,8 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
 
 impl Drop for Endpoint {
     fn drop(&mut self) {
-        self.close();
+        // A stuck writer cannot be helped here: `close`'s error is for a caller who can act.
+        let _ = self.close();
     }
 }
 

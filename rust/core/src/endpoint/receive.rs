@@ -1,8 +1,9 @@
 //! D's receive path: from `Endpoint::expect` to the request's `Receive` event.
 //!
 //! For each P rank an expectation names (a *leg*, see [`awaited`](super::awaited)), the writer
-//! connects to that P if it has no connection yet (on the connector thread, since connecting
-//! blocks), checks that the P rank holds the heads this rank expects from it, and sends the
+//! connects to that P if it has no connection yet (on a connect thread of its own, since
+//! connecting blocks: see `connector`), checks that the P rank holds the heads this rank
+//! expects from it, and sends the
 //! REGISTER that puts D's blocks in P's table. It then counts the DONE notifications the
 //! transport delivers (each only from the agent the leg registered with, for the current epoch)
 //! and acts on P's FAILs and CANCEL_ACKs. A cancel, a TTL that passed or a leg's failure sends
@@ -17,9 +18,7 @@
 //! `awaited` holds the per-request state and its rules; this module does the I/O they call for.
 
 use std::collections::HashMap;
-use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
-use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
@@ -30,8 +29,9 @@ use crate::side_channel::{PeerId, PeerInfo};
 use crate::transport::{Notification, Transport};
 
 use super::awaited::{Awaited, LegState, Stop};
+use super::connector::Connector;
 use super::events::{Event, Outcome, Reason, Role, Timeline};
-use super::writer::{Command, ConnectFailure, Writer, MAX_HORIZON};
+use super::writer::{ConnectFailure, Writer, MAX_HORIZON};
 use super::{Counters, Expectation, Share};
 
 /// A side channel connection to a P, by its address.
@@ -50,9 +50,8 @@ pub(super) struct Receives {
     /// does not scan `awaited` on every turn of the loop.
     awaits_kv: bool,
     sources: HashMap<String, Source>,
-    /// The connector thread's queue and handle, started with the first connection asked for.
-    connect_requests: Option<Sender<String>>,
-    connector: Option<JoinHandle<()>>,
+    /// The connects being made, from the first one asked for.
+    connector: Option<Connector>,
     /// Checks the DONEs P's WRITEs deliver.
     decoder: Decoder,
     /// Notifications taken from the transport (reused between turns).
@@ -88,7 +87,6 @@ impl Receives {
             awaited: HashMap::new(),
             awaits_kv: false,
             sources: HashMap::new(),
-            connect_requests: None,
             connector: None,
             decoder: Decoder::new(secret, limits),
             received: Vec::new(),
@@ -137,45 +135,19 @@ impl<T: Transport> Writer<T> {
     }
 
     fn request_connect(&mut self, source: String) {
-        if self.receives.connect_requests.is_none() {
-            let (requests, queue) = mpsc::channel::<String>();
-            let side_channel = Arc::clone(&self.side_channel);
-            let shared = Arc::clone(&self.shared);
-            let spawned = thread::Builder::new()
-                .name(format!("kvpush-connect-{}", self.engine_id))
-                .spawn(move || {
-                    // Connecting blocks (bounded by the connect timeout), so it runs here
-                    // rather than on the writer, which must keep polling.
-                    for source in queue {
-                        let result = side_channel
-                            .connect(&source)
-                            .map_err(|error| ConnectFailure::of(&error));
-                        if !shared.send(Command::Connected { source, result }) {
-                            break;
-                        }
-                    }
-                });
-            match spawned {
-                Ok(handle) => {
-                    self.receives.connector = Some(handle);
-                    self.receives.connect_requests = Some(requests);
-                }
-                Err(e) => {
-                    let failure = ConnectFailure {
-                        reason: format!("cannot start a connector thread: {e}"),
-                        refused: false,
-                    };
-                    self.connected(source, Err(failure));
-                    return;
-                }
-            }
-        }
-        if let Some(requests) = &self.receives.connect_requests {
-            let _ = requests.send(source);
-        }
+        // Connecting blocks (bounded by the connect timeout), so it runs on a thread of its own
+        // rather than on the writer, which must keep polling.
+        let (side_channel, shared) = (&self.side_channel, &self.shared);
+        let connector = self.receives.connector.get_or_insert_with(|| {
+            Connector::new(&self.engine_id, Arc::clone(side_channel), Arc::clone(shared))
+        });
+        connector.request(source);
     }
 
     pub(super) fn connected(&mut self, source: String, result: Result<PeerInfo, ConnectFailure>) {
+        if let Some(connector) = &mut self.receives.connector {
+            connector.finished(&source);
+        }
         let waiting: Vec<(String, usize)> = self
             .receives
             .awaited
@@ -733,17 +705,15 @@ impl<T: Transport> Writer<T> {
         }
     }
 
-    /// The endpoint closes: every receive still awaited fails, and the connector thread ends
-    /// after its current attempt.
+    /// The endpoint closes: every receive still awaited fails, and connects still waiting are
+    /// dropped (those running are waited for briefly, each bounded by the connect timeout).
     pub(super) fn close_receives(&mut self) {
         let awaited: Vec<String> = self.receives.awaited.keys().cloned().collect();
         for request_id in awaited {
             self.end_receive(&request_id, Outcome::failed(Reason::Closed, "the endpoint closed"));
         }
-        // Closing the request queue ends the connector thread after its current attempt.
-        self.receives.connect_requests = None;
         if let Some(connector) = self.receives.connector.take() {
-            let _ = connector.join();
+            connector.close();
         }
     }
 }

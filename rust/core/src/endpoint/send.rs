@@ -31,18 +31,19 @@ use crate::protocol::{
     unix_millis, Cancel, CancelAck, Done, Encoder, Fail, FailReason, Hello, Message, Register,
     Secret,
 };
-use crate::rendezvous::{Match, Outcome as TableOutcome, RendezvousError};
+use crate::rendezvous::{FenceReason, Match, Outcome as TableOutcome, RendezvousError};
 use crate::side_channel::PeerId;
 use crate::sync::lock;
 use crate::transport::{MemorySpace, Transport, WriteId, WriteState};
 
 use super::control::Slot;
 use super::events::{Event, Outcome, Reason, Role, Timeline};
+use super::fanout;
 use super::writer::{Writer, BUSY_POLL};
-use super::{Counters, EndpointConfig, ReadyKv, HORIZON_MARGIN};
+use super::{Counters, EndpointConfig, ReadyKv, Shared, HORIZON_MARGIN};
 
 /// How long a closing writer lets in-flight writes finish before abandoning them.
-const DRAIN_ON_CLOSE: Duration = Duration::from_secs(2);
+pub(super) const DRAIN_ON_CLOSE: Duration = Duration::from_secs(2);
 
 /// D's registration as P's table holds it.
 #[derive(Debug)]
@@ -185,9 +186,11 @@ impl<T: Transport> Writer<T> {
 
     /// A lost peer: nothing may be written to it; its waiting registrations go now.
     pub(super) fn purge_registrations(&mut self, peer: PeerId) {
-        let purged = self.shared.table.purge(|r: &Registration| r.peer == peer, Instant::now());
-        for _ in &purged {
+        let now = Instant::now();
+        let purged = self.shared.table.purge(|r: &Registration| r.peer == peer, now);
+        for (key, _, _) in &purged {
             Counters::add(&self.shared.counters.purged_registrations);
+            release_slot(&self.shared, key, FenceReason::Cancelled, now);
         }
     }
 
@@ -534,6 +537,7 @@ impl<T: Transport> Writer<T> {
                     format!("P's KV for transfer {} was not ready in time", expired.key),
                 );
                 self.send(registration.peer, Message::Fail(fail));
+                release_slot(&self.shared, &expired.key, FenceReason::Expired, now);
             }
             if let Some(ready) = expired.ready {
                 let reason = format!("no registration from D for transfer {} in time", expired.key);
@@ -609,5 +613,13 @@ impl<T: Transport> Writer<T> {
             };
             self.send(peer, Message::CancelAck(ack));
         }
+    }
+}
+
+/// A registration under `key` left the table unwritten: if `key` is a slot of a transfer
+/// written into several D ranks, its group may go with it (see `fanout::release`).
+fn release_slot(shared: &Shared, key: &TransferKey, fence: FenceReason, now: Instant) {
+    if let Some((base, _)) = key.split_slot() {
+        fanout::release(shared, &base, Some(fence), now);
     }
 }

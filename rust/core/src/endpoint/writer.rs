@@ -33,7 +33,7 @@
 //!   reference-counted by name, and names are unique per process).
 
 use std::collections::HashMap;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,6 +46,7 @@ use crate::side_channel::{PeerId, PeerInfo, SideChannel, SideChannelError};
 use crate::transport::{MemorySpace, Transport};
 
 use super::events::Event;
+use super::inbox::Commands;
 use super::receive::Receives;
 use super::send::{Ready, Registration, Sends};
 use super::{EndpointConfig, Expectation, Shared};
@@ -148,7 +149,7 @@ pub(crate) struct Writer<T: Transport> {
     pub(super) engine_id: String,
     pub(super) shared: Arc<Shared>,
     pub(super) side_channel: Arc<SideChannel>,
-    commands: Receiver<Command>,
+    commands: Commands,
     events: Sender<Event>,
     pub(super) peers: HashMap<PeerId, Peer>,
     /// P: writes in flight and the agents they use.
@@ -177,7 +178,7 @@ impl<T: Transport> Writer<T> {
         secret: Option<Secret>,
         shared: Arc<Shared>,
         side_channel: Arc<SideChannel>,
-        commands: Receiver<Command>,
+        commands: Commands,
         events: Sender<Event>,
     ) -> Self {
         let sends = Sends::new(config, transport.name(), secret.clone());

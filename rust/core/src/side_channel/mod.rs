@@ -77,8 +77,8 @@ use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 // Plain std primitives, not `crate::sync`: these guard sockets and threads, which loom cannot
 // model; the loom-checked concurrency of the core is the rendezvous table.
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -108,6 +108,12 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// How often `close` looks whether a thread it waits for has finished.
 const JOIN_POLL: Duration = Duration::from_millis(2);
 
+/// Most name lookups running at once for [`SideChannel::connect`], each on a thread of its own.
+/// A lookup that outlives its connect's timeout is left to finish (the resolver cannot be
+/// interrupted) and still counts: past this many, a connect to a name fails at once instead of
+/// starting another thread behind a resolver that hangs.
+const MAX_LOOKUPS: usize = 16;
+
 /// How a [`SideChannel`] listens, identifies itself, authenticates and judges liveness.
 #[derive(Debug, Clone)]
 pub struct SideChannelConfig {
@@ -125,8 +131,8 @@ pub struct SideChannelConfig {
     /// A peer from which no frame arrives for this long is lost. Default 5 s; must exceed
     /// `heartbeat_interval` (three intervals or more tolerates a delayed heartbeat or two).
     pub peer_timeout: Duration,
-    /// Bound on [`SideChannel::connect`] (TCP connect and both Hellos), and on how long an
-    /// accepted connection may take to send its Hello. Default 3 s.
+    /// Bound on [`SideChannel::connect`] (name lookup, TCP connect and both Hellos), and on how
+    /// long an accepted connection may take to send its Hello. Default 3 s.
     pub connect_timeout: Duration,
     /// A write the peer does not take within this is a lost peer (a frame may be half written,
     /// so the connection is closed). Bounds how long [`SideChannel::send`] can block. Default 2 s.
@@ -389,6 +395,9 @@ struct Shared {
     /// Checks every frame this side receives, on any connection: one set of replay windows per
     /// receiver. Held for one decode (microseconds) at a time.
     decoder: Mutex<Decoder>,
+    /// Name lookups running (see [`MAX_LOOKUPS`]); shared with their threads, which may
+    /// outlive the channel.
+    lookups: Arc<AtomicUsize>,
 }
 
 /// The connections and threads alive, under one lock so that `close` sees every connection and
@@ -439,6 +448,7 @@ impl SideChannel {
             next_id: AtomicU64::new(1),
             registry: Mutex::new(Registry::default()),
             origin: crate::clock::BootInstant::now(),
+            lookups: Arc::new(AtomicUsize::new(0)),
         });
         let accept = thread::Builder::new().name("kvpush-side-accept".to_owned()).spawn({
             let shared = Arc::clone(&shared);
@@ -453,7 +463,8 @@ impl SideChannel {
     }
 
     /// Connects to the side channel at `addr` (`host:port`), exchanges Hellos and returns the
-    /// peer; blocks for at most `connect_timeout` (plus name resolution).
+    /// peer; blocks for at most `connect_timeout`, name resolution included (a host name is
+    /// looked up on a thread of its own, so that a resolver that hangs fails this connect only).
     ///
     /// Our Hello goes first; the peer's must answer it, be compatible (common version, same
     /// compatibility hash) and be accepted by [`ControlHandler::peer_joined`]. Then the
@@ -475,7 +486,7 @@ impl SideChannel {
         let handshake_error =
             |reason: String| SideChannelError::Handshake { addr: addr.to_owned(), reason };
 
-        let socket = connect_within(addr, deadline).map_err(connect_error)?;
+        let socket = connect_within(addr, deadline, &shared.lookups).map_err(connect_error)?;
         let peer_addr = socket.peer_addr().map_err(connect_error)?;
         shared.configure(&socket).map_err(connect_error)?;
         let conn = Arc::new(Connection::new(shared.next_id(), peer_addr, socket));
@@ -807,9 +818,13 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
 
 /// A TCP connection to the first address `addr` resolves to that accepts one before
 /// `deadline`.
-fn connect_within(addr: &str, deadline: Instant) -> io::Result<TcpStream> {
+fn connect_within(
+    addr: &str,
+    deadline: Instant,
+    lookups: &Arc<AtomicUsize>,
+) -> io::Result<TcpStream> {
     let mut last_error = None;
-    for candidate in addr.to_socket_addrs()? {
+    for candidate in resolve_within(addr, deadline, lookups)? {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             break;
@@ -822,6 +837,51 @@ fn connect_within(addr: &str, deadline: Instant) -> io::Result<TcpStream> {
     Err(last_error.unwrap_or_else(|| {
         io::Error::new(io::ErrorKind::TimedOut, "no address answered within connect_timeout")
     }))
+}
+
+/// The socket addresses of `addr` (`host:port`), looked up by `deadline`: a literal address at
+/// once, a name on a thread of its own (std's lookup blocks, for as long as the resolver takes).
+/// `lookups` counts the lookup threads running, at most [`MAX_LOOKUPS`].
+fn resolve_within(
+    addr: &str,
+    deadline: Instant,
+    lookups: &Arc<AtomicUsize>,
+) -> io::Result<Vec<SocketAddr>> {
+    if let Ok(literal) = addr.parse::<SocketAddr>() {
+        return Ok(vec![literal]);
+    }
+    // Relaxed: a count of threads, read only to bound them; the result travels by channel.
+    if lookups.fetch_add(1, Ordering::Relaxed) >= MAX_LOOKUPS {
+        lookups.fetch_sub(1, Ordering::Relaxed);
+        return Err(io::Error::new(
+            io::ErrorKind::WouldBlock,
+            format!(
+                "{MAX_LOOKUPS} name lookups are still running (the resolver is slow or hangs); \
+                 retry later, or give P's address as an IP"
+            ),
+        ));
+    }
+    let (sender, receiver) = mpsc::channel();
+    let spawned = thread::Builder::new().name("kvpush-resolve".to_owned()).spawn({
+        let (addr, lookups) = (addr.to_owned(), Arc::clone(lookups));
+        move || {
+            let resolved = addr.to_socket_addrs().map(Iterator::collect::<Vec<_>>);
+            lookups.fetch_sub(1, Ordering::Relaxed);
+            // The connect may have given up on this lookup already.
+            let _ = sender.send(resolved);
+        }
+    });
+    if let Err(error) = spawned {
+        lookups.fetch_sub(1, Ordering::Relaxed);
+        return Err(error);
+    }
+    match receiver.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        Ok(resolved) => resolved,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the name {addr:?} did not resolve within connect_timeout"),
+        )),
+    }
 }
 
 /// Joins `thread` if it finishes by `deadline`; leaves it running otherwise.
@@ -843,4 +903,27 @@ fn join_by(thread: JoinHandle<()>, deadline: Instant) {
 /// section here is a map or vector operation that leaves its data consistent.
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_literal_address_needs_no_lookup_and_a_name_beyond_the_lookups_running_fails_at_once() {
+        let lookups = Arc::new(AtomicUsize::new(MAX_LOOKUPS));
+        let far = Instant::now() + Duration::from_secs(60);
+        let literal = resolve_within("127.0.0.1:5600", far, &lookups).unwrap();
+        assert_eq!(literal, vec![SocketAddr::from(([127, 0, 0, 1], 5600))]);
+        // Every lookup thread is taken (a resolver that hangs): no wait, no new thread.
+        let error = resolve_within("localhost:5600", far, &lookups).unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::WouldBlock);
+        assert!(error.to_string().contains("give P's address as an IP"), "{error}");
+        assert_eq!(lookups.load(Ordering::Relaxed), MAX_LOOKUPS);
+        // With one free, the name resolves and its thread is counted out again.
+        lookups.store(MAX_LOOKUPS - 1, Ordering::Relaxed);
+        let resolved = resolve_within("localhost:5600", far, &lookups).unwrap();
+        assert!(resolved.iter().all(|addr| addr.port() == 5600 && addr.ip().is_loopback()));
+        assert!(!resolved.is_empty());
+    }
 }
