@@ -3,6 +3,7 @@
 #![cfg(not(loom))]
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns: a failure is the test failing
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpush_core::endpoint::{
@@ -11,12 +12,16 @@ use kvpush_core::endpoint::{
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::loopback::LoopbackTransport;
 use kvpush_core::planner::DescriptorRun;
-use kvpush_core::protocol::{BlockGroup, Message};
+use kvpush_core::protocol::{
+    BlockGroup, Cancel, Hello, Message, Register, Secret, PROTOCOL_VERSION,
+};
+use kvpush_core::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig};
 use kvpush_core::transport::{
     MemoryRegion, MemorySpace, Notification, Transport, TransportError, WriteId, WriteState,
 };
 
 const TOKEN_BYTES: u64 = 16; // 2 heads x 8 bytes
+const SECRET: &[u8] = b"endpoint-test-shared-secret";
 const REGIONS: u64 = 4;
 const BLOCKS: u32 = 32;
 
@@ -85,7 +90,7 @@ impl Cache {
         // SAFETY: each test drops its endpoints before its caches.
         unsafe { transport.register_memory(&[region]).unwrap() };
         let mut config = EndpointConfig::new(name, self.layout());
-        config.secret = Some(b"endpoint-test-shared-secret".to_vec());
+        config.secret = Some(SECRET.to_vec());
         config.heartbeat_interval = Duration::from_millis(100);
         config.peer_timeout = Duration::from_millis(1_000);
         tune(&mut config);
@@ -403,25 +408,52 @@ fn a_panicking_writer_fails_everything_and_refuses_new_work() {
 }
 
 #[test]
-fn a_duplicate_registration_leaves_the_transfer_to_complete() {
+fn a_duplicate_registration_is_ignored_even_over_the_hosts_quota() {
+    // D's host may hold one registration on P, and holds it. The same registration arrives again
+    // (a retransmission, here over a second connection of the same D process): it must be
+    // counted and ignored, not refused: a FAIL for its epoch would end the transfer on D while
+    // P still writes it.
     let p_cache = Cache::new(16, |i| (i % 13) as u8 + 1);
     let d_cache = Cache::new(16, |_| 0);
-    let p = p_cache.endpoint("ep-p6");
+    let p = p_cache.endpoint_with("ep-p6", Fault::None, |c| c.max_registrations_per_host = 1);
     let d = d_cache.endpoint("ep-d6");
-    // The same request, epoch and blocks registered twice (a retry, or a confused D).
-    d.expect(expectation(&p, "req-dup", &[1, 2], 0, 20)).unwrap();
+    let mut e = expectation(&p, "req-dup", &[1, 2], 0, 20);
+    e.transfer_id = Some("xfer-dup".into());
+    d.expect(e).unwrap();
     wait_for_registration(&p);
-    d.expect(expectation(&p, "req-dup", &[1, 2], 0, 20)).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while p.stats().refused_registrations == 0 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert_eq!(p.stats().refused_registrations, 1, "the duplicate reached P");
-    p.ready(ready("req-dup", &[3, 4], 20)).unwrap();
+
+    let replies = Arc::new(Recorder::default());
+    let twin = raw_peer(raw_hello("ep-d6", "ep-d6", d_cache.layout(), 0), replies.clone());
+    let peer = twin.connect(&p.address().to_string()).unwrap();
+    let again = Register {
+        transfer_key: "xfer-dup".into(),
+        request_id: "req-dup".into(),
+        epoch: 1,
+        engine_id: "ep-d6".into(),
+        address: twin.local_addr().to_string(),
+        tp_rank: 0,
+        tp_size: 1,
+        groups: group(0, &[1, 2]),
+        num_tokens: 20,
+        ttl_ms: 30_000,
+        fanout: 1,
+    };
+    twin.send(peer.id, &Message::Register(again)).unwrap();
+    // P acknowledges a cancel of a transfer it does not know on the same connection, after any
+    // reply to the registration.
+    let unknown =
+        Cancel { transfer_key: "xfer-none".into(), request_id: "req-none".into(), epoch: 1 };
+    twin.send(peer.id, &Message::Cancel(unknown)).unwrap();
+    let replies = replies.wait_for(|m| matches!(m, Message::CancelAck(_)));
+    assert!(!replies.iter().any(|m| matches!(m, Message::Fail(_))), "{replies:?}");
+    assert_eq!(p.stats().refused_registrations, 1, "the duplicate is counted");
+
+    let mut kv = ready("req-p", &[3, 4], 20);
+    kv.transfer_id = Some("xfer-dup".into());
+    p.ready(kv).unwrap();
     let received = events(&d, 1);
     assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
-    // No second event (a spurious FAIL) follows.
-    assert!(d.wait(Duration::from_millis(300)).is_empty());
+    twin.close();
 }
 
 #[test]
@@ -513,4 +545,64 @@ fn a_cancel_p_never_acknowledges_ends_after_the_disconnect_and_the_horizon() {
     );
     assert!(cancelled_at.elapsed() >= 2 * horizon, "D ended the cancel inside P's horizon");
     assert!(p.peers().is_empty(), "D kept proving itself alive to a P that never acknowledged");
+}
+
+/// A side-channel peer played by hand: it records every message it is sent.
+#[derive(Default)]
+struct Recorder {
+    messages: Mutex<Vec<Message>>,
+}
+
+impl Recorder {
+    /// Every message so far, once one for which `found` holds arrived (bounded wait).
+    fn wait_for(&self, found: impl Fn(&Message) -> bool) -> Vec<Message> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let messages = self.messages.lock().unwrap().clone();
+            if messages.iter().any(&found) || Instant::now() > deadline {
+                return messages;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl ControlHandler for Recorder {
+    fn peer_joined(&self, _peer: &PeerInfo) -> Result<(), String> {
+        Ok(())
+    }
+    fn message(&self, _peer: PeerId, message: Message) {
+        self.messages.lock().unwrap().push(message);
+    }
+    fn peer_lost(&self, _peer: PeerId, _reason: &str) {}
+}
+
+/// The Hello of a peer played by hand whose loopback agent is `agent` (a loopback agent's
+/// metadata is its name).
+fn raw_hello(engine_id: &str, agent: &str, layout: KvLayout, write_horizon_ms: u64) -> Hello {
+    Hello {
+        engine_id: engine_id.into(),
+        tp_rank: 0,
+        tp_size: 1,
+        pp_rank: 0,
+        pp_size: 1,
+        agent_name: agent.into(),
+        agent_metadata: agent.as_bytes().to_vec(),
+        layout,
+        compatibility: String::new(),
+        versions: vec![PROTOCOL_VERSION],
+        memory: MemorySpace::DRAM,
+        nonce: 0,
+        echo: 0,
+        write_horizon_ms,
+    }
+}
+
+fn raw_peer(hello: Hello, handler: Arc<Recorder>) -> SideChannel {
+    let mut config =
+        SideChannelConfig::new("127.0.0.1:0".parse().unwrap(), hello.engine_id.clone());
+    config.secret = Some(Secret::from_bytes(SECRET).unwrap());
+    config.heartbeat_interval = Duration::from_millis(100);
+    config.peer_timeout = Duration::from_millis(1_000);
+    SideChannel::start(config, hello, handler).unwrap()
 }

@@ -8,7 +8,9 @@
 //! id and process-unique agent name): no other peer can supersede or cancel it. The peers of one
 //! host hold at most `quota` registrations at once between them, counted by the [`Slot`] each
 //! registration carries, so that no host (however many connections or engine ids it opens) can
-//! fill the table that every other D shares.
+//! fill the table that every other D shares. A registration the table already holds for its
+//! owner (same key and epoch) is a duplicate: counted and ignored before the quota or any other
+//! refusal, since a FAIL for that epoch would end it on D while P may write it.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -116,6 +118,14 @@ impl Control {
         // Messages come only from joined peers, so the entry is there unless the peer was lost
         // meanwhile; then its registration has nobody to be written to.
         let Some(entry) = lock(&self.peers).get(&peer).cloned() else { return };
+        let key = TransferKey::from_canonical(&register.transfer_key);
+        // The same registration again (a retransmission, or a confused D) while the table holds
+        // it: it stands, and is counted. Checked before any refusal below, since a FAIL for this
+        // epoch would end it on D while P may still write it.
+        if self.shared.table.holds(&key, register.epoch, entry.owner) {
+            Counters::add(&self.shared.counters.refused_registrations);
+            return;
+        }
         // Relaxed: see `Slot`.
         if entry.held.fetch_add(1, Ordering::Relaxed) >= self.quota {
             entry.held.fetch_sub(1, Ordering::Relaxed);
@@ -129,7 +139,6 @@ impl Control {
         }
         let slot = Slot(Arc::clone(&entry.held));
         let now = Instant::now();
-        let key = TransferKey::from_canonical(&register.transfer_key);
         if register.fanout > 1 {
             if let Err((reason, detail)) = self.join_fanout(&key, register.fanout, now) {
                 self.refuse(peer, &register, reason, detail);
@@ -149,8 +158,8 @@ impl Control {
             }
             // A superseded registration needs no reply: D replaced it itself.
             Ok(Arrival::Waiting { .. }) => {}
-            // The same registration again (a retransmission, or a confused D): the one the table
-            // holds stands, and a FAIL for this epoch would end it on D.
+            // The same registration again, arrived while the check above was passed by its
+            // twin: the one the table holds stands, and a FAIL for this epoch would end it on D.
             Err(RendezvousError::StaleEpoch { current, .. }) if current == epoch => {
                 Counters::add(&self.shared.counters.refused_registrations);
             }
