@@ -13,7 +13,8 @@ use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::loopback::LoopbackTransport;
 use kvpush_core::planner::DescriptorRun;
 use kvpush_core::protocol::{
-    BlockGroup, Cancel, Hello, Message, Register, Secret, PROTOCOL_VERSION,
+    unix_millis, BlockGroup, Cancel, Done, Encoder, Hello, Message, Register, Secret,
+    PROTOCOL_VERSION,
 };
 use kvpush_core::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig};
 use kvpush_core::transport::{
@@ -437,6 +438,7 @@ fn a_duplicate_registration_is_ignored_even_over_the_hosts_quota() {
         num_tokens: 20,
         ttl_ms: 30_000,
         fanout: 1,
+        nonce: 7,
     };
     twin.send(peer.id, &Message::Register(again)).unwrap();
     // P acknowledges a cancel of a transfer it does not know on the same connection, after any
@@ -605,4 +607,63 @@ fn raw_peer(hello: Hello, handler: Arc<Recorder>) -> SideChannel {
     config.heartbeat_interval = Duration::from_millis(100);
     config.peer_timeout = Duration::from_millis(1_000);
     SideChannel::start(config, hello, handler).unwrap()
+}
+
+#[test]
+fn a_done_counts_only_from_its_registrations_agent_signed_as_it_with_its_nonce() {
+    let d_cache = Cache::new(16, |_| 0);
+    let d = d_cache.endpoint("ep-d13");
+    // P played by hand: a side channel, and a loopback agent that sends DONEs as notifications.
+    let mut agent = LoopbackTransport::new("fake-p-agent").unwrap();
+    let mut other = LoopbackTransport::new("fake-other-agent").unwrap();
+    let messages = Arc::new(Recorder::default());
+    let fake =
+        raw_peer(raw_hello("fake-p", "fake-p-agent", d_cache.layout(), 1_000), messages.clone());
+    let mut e = expectation(&d, "req-forged", &[1, 2], 0, 20);
+    e.sources = vec![fake.local_addr().to_string()];
+    d.expect(e).unwrap();
+    let registered = messages.wait_for(|m| matches!(m, Message::Register(_)));
+    let Some(Message::Register(register)) = registered.into_iter().next() else {
+        panic!("D did not register with P")
+    };
+    assert_ne!(register.nonce, 0, "D picks a nonce for each registration");
+    agent.add_peer(b"ep-d13").unwrap();
+    other.add_peer(b"ep-d13").unwrap();
+    let done = |nonce| {
+        Message::Done(Done {
+            transfer_key: register.transfer_key.clone(),
+            request_id: register.request_id.clone(),
+            epoch: register.epoch,
+            tp_rank: 0,
+            tp_size: 1,
+            bytes: 1,
+            runs: 1,
+            nonce,
+        })
+    };
+    let signed_as = |sender: &str, message: &Message| {
+        let secret = Secret::from_bytes(SECRET).unwrap();
+        Encoder::new(sender, Some(secret)).encode(message, unix_millis())
+    };
+    // From P's agent but signed as another sender; from P's agent without the registration's
+    // nonce; from another agent (signed as itself).
+    agent.send_notification("ep-d13", &signed_as("someone-else", &done(register.nonce))).unwrap();
+    agent
+        .send_notification("ep-d13", &signed_as("fake-p-agent", &done(register.nonce ^ 1)))
+        .unwrap();
+    other
+        .send_notification("ep-d13", &signed_as("fake-other-agent", &done(register.nonce)))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while d.stats().stray_notifications < 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(d.stats().stray_notifications, 3, "every forged DONE is a stray");
+    assert!(d.poll().is_empty(), "a forged DONE ended the receive");
+
+    agent.send_notification("ep-d13", &signed_as("fake-p-agent", &done(register.nonce))).unwrap();
+    let received = events(&d, 1);
+    assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+    assert_eq!(d.stats().stray_notifications, 3);
+    fake.close();
 }

@@ -208,6 +208,7 @@ fn register(n: u64) -> Message {
         num_tokens: 48,
         ttl_ms: 30_000,
         fanout: 1,
+        nonce: 0,
     })
 }
 
@@ -557,6 +558,7 @@ fn oversized_and_garbage_frames_are_refused_counted_and_survived() {
         tp_size: 1,
         bytes: 1,
         runs: 1,
+        nonce: 0,
     }));
     raw.send(&Message::Hello(hello("raw-peer")));
     for _ in 0..3 {

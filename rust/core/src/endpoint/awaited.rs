@@ -51,6 +51,8 @@ pub(super) struct Leg {
     pub(super) peer: Option<PeerId>,
     /// The agent name of that P: a DONE from any other agent is not this leg's.
     pub(super) agent: Option<String>,
+    /// The nonce of the registration: a DONE that does not echo it is not this leg's.
+    pub(super) nonce: u64,
     pub(super) state: LegState,
 }
 
@@ -94,6 +96,7 @@ impl Awaited {
                 source: source.clone(),
                 peer: None,
                 agent: None,
+                nonce: 0,
                 state: LegState::Connecting,
             })
             .collect();

@@ -265,8 +265,9 @@ pub struct Counters {
     pub refused_frames: AtomicU64,
     /// Transport calls that failed outside any one write (e.g. receiving notifications).
     pub transport_errors: AtomicU64,
-    /// DONEs for requests D no longer awaits (cancelled, failed or re-registered), or from an
-    /// agent D did not register with.
+    /// DONEs for requests D no longer awaits (cancelled, failed or re-registered), from an agent
+    /// D did not register with, signed as another sender than the agent that sent them, or not
+    /// echoing their registration's nonce.
     pub stray_notifications: AtomicU64,
     /// Registrations refused: another peer's key, over the peer's quota, or a duplicate.
     pub refused_registrations: AtomicU64,

@@ -3,12 +3,17 @@
 //! For each P rank an expectation names (a *leg*, see [`awaited`](super::awaited)), the writer
 //! connects to that P if it has no connection yet (on the connector thread, since connecting
 //! blocks), checks that the P rank holds the heads this rank expects from it, and sends the
-//! REGISTER that puts D's blocks in P's table. It then counts the DONE notifications the
-//! transport delivers (each only from the agent the leg registered with, for the current epoch)
-//! and acts on P's FAILs and CANCEL_ACKs. A cancel, a TTL that passed or a leg's failure sends
-//! CANCELs to the legs that may still be written; a P that does not acknowledge within its
-//! write horizon is disconnected, and a lost P is waited out until its horizon passed (the
-//! fence: see `writer`). The receive is reported once, when its last leg is over.
+//! REGISTER that puts D's blocks in P's table, with a fresh random nonce. It then counts the
+//! DONE notifications the transport delivers and acts on P's FAILs and CANCEL_ACKs. A cancel, a
+//! TTL that passed or a leg's failure sends CANCELs to the legs that may still be written; a P
+//! that does not acknowledge within its write horizon is disconnected, and a lost P is waited
+//! out until its horizon passed (the fence: see `writer`). The receive is reported once, when
+//! its last leg is over.
+//!
+//! A DONE ends a leg only when the agent the transport says sent it, the sender its envelope is
+//! signed as and the agent the leg registered with are one and the same, and it names the leg's
+//! key and epoch and echoes the nonce of the leg's registration: anything else is counted as a
+//! stray and changes nothing.
 //!
 //! `awaited` holds the per-request state and its rules; this module does the I/O they call for.
 
@@ -20,7 +25,8 @@ use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
 use crate::protocol::{
-    unix_millis, Cancel, Decoder, Done, FailReason, Limits, Message, Register, Secret,
+    fresh_session, unix_millis, Cancel, Decoder, Done, FailReason, Limits, Message, Register,
+    Secret,
 };
 use crate::side_channel::{PeerId, PeerInfo};
 use crate::transport::{Notification, Transport};
@@ -201,8 +207,11 @@ impl<T: Transport> Writer<T> {
             self.end_leg(request_id, leg, Some(Outcome::failed(Reason::Incompatible, detail)));
             return;
         }
+        // Ties the DONE of this registration, and no other, to this leg.
+        let nonce = fresh_session().max(1);
         awaited.legs[leg].peer = Some(peer);
         awaited.legs[leg].agent = agent;
+        awaited.legs[leg].nonce = nonce;
         awaited.legs[leg].state = LegState::Registered;
         let e = &awaited.expectation;
         let ttl_ms =
@@ -220,6 +229,7 @@ impl<T: Transport> Writer<T> {
             num_tokens: e.num_tokens,
             ttl_ms,
             fanout: e.share.map_or(1, |share| share.of),
+            nonce,
         };
         if let Err(error) = self.side_channel.send(peer, &Message::Register(register)) {
             // The frame did not go out whole, so P refuses it: nothing can be written.
@@ -369,7 +379,7 @@ impl<T: Transport> Writer<T> {
             ) {
                 Ok(envelope) => {
                     if let Message::Done(done) = envelope.message {
-                        self.done(&notification.from, done);
+                        self.done(&notification.from, &envelope.sender, done);
                     }
                 }
                 Err(_) => Counters::add(&self.shared.counters.refused_frames),
@@ -379,24 +389,31 @@ impl<T: Transport> Writer<T> {
         self.receives.received.clear();
     }
 
-    fn done(&mut self, from: &str, done: Done) {
-        // Only the P agent a leg registered with may end it: a DONE from anyone else, for an
-        // ended receive, or for an older epoch (blocks D has since re-registered) is stray.
-        let leg = self
-            .receives
-            .awaited
-            .get(&done.request_id)
-            .filter(|a| a.key.as_str() == done.transfer_key && a.expectation.epoch == done.epoch)
-            .and_then(|a| a.leg_of_agent(from));
-        let (Some(leg), Some(awaited)) = (leg, self.receives.awaited.get_mut(&done.request_id))
-        else {
+    /// A DONE that the transport says agent `from` sent, signed as `sender`.
+    fn done(&mut self, from: &str, sender: &str, done: Done) {
+        // Only the P agent a leg registered with may end it, for that registration: the
+        // transport's sender, the signed sender and the leg's agent agree, and the DONE echoes
+        // the registration's nonce. Anything else (another agent, a name that does not match its
+        // signature, an ended receive, an epoch or registration D has since replaced) is stray.
+        let current = self.receives.awaited.get(&done.request_id);
+        let current = current.is_some_and(|a| a.expectation.epoch == done.epoch);
+        let key = (from == sender && current).then(|| done.request_id.clone());
+        let leg = key.and_then(|key| {
+            let awaited = self.receives.awaited.get(&key)?;
+            let leg = awaited.leg_of_agent(from)?;
+            let echoed = awaited.legs[leg].nonce == done.nonce;
+            (echoed && awaited.key.as_str() == done.transfer_key).then_some((key, leg))
+        });
+        let Some((key, leg)) = leg else {
             Counters::add(&self.shared.counters.stray_notifications);
             return;
         };
-        awaited.bytes += done.bytes;
-        awaited.runs = awaited.runs.saturating_add(done.runs);
+        if let Some(awaited) = self.receives.awaited.get_mut(&key) {
+            awaited.bytes += done.bytes;
+            awaited.runs = awaited.runs.saturating_add(done.runs);
+        }
         // Whatever D wanted since (a cancel, another rank's failure), this leg's KV is here.
-        self.end_leg(&done.request_id, leg, None);
+        self.end_leg(&key, leg, None);
     }
 
     /// A control message from P for D's receives: a FAIL or a CANCEL_ACK ends its leg.

@@ -372,6 +372,7 @@ impl<T: Transport> Writer<T> {
             tp_size: self.layout.tp_size,
             bytes: plan.stats.bytes,
             runs,
+            nonce: register.nonce,
         });
         let notification = self.sends.notifications.encode(&done, unix_millis());
         let remote = peer.memory;
