@@ -81,8 +81,22 @@ impl Cache {
         fault: Fault,
         tune: impl FnOnce(&mut EndpointConfig),
     ) -> Endpoint {
+        self.endpoint_as(name, None, fault, tune)
+    }
+
+    /// An endpoint whose transport agent (named `name`, as its engine) calls itself `claimed`
+    /// when given: the name its Hello declares and its DONEs are signed as, while its metadata
+    /// stays its own (a second process reusing another's agent name).
+    fn endpoint_as(
+        &self,
+        name: &str,
+        claimed: Option<&str>,
+        fault: Fault,
+        tune: impl FnOnce(&mut EndpointConfig),
+    ) -> Endpoint {
         let inner = LoopbackTransport::new(name).unwrap().with_polls_until_done(2);
-        let mut transport = Faulty { inner, fault, stuck: Vec::new(), slow: Vec::new() };
+        let claimed = claimed.map(str::to_owned);
+        let mut transport = Faulty { inner, fault, stuck: Vec::new(), slow: Vec::new(), claimed };
         let region = MemoryRegion {
             addr: self.memory.as_ptr() as u64,
             len: self.memory.len() as u64,
@@ -119,11 +133,13 @@ struct Faulty {
     stuck: Vec<WriteId>,
     /// `SlowWrites`: when each posted WRITE may complete.
     slow: Vec<(WriteId, Instant)>,
+    /// The agent name the transport gives instead of its own (its metadata stays its own).
+    claimed: Option<String>,
 }
 
 impl Transport for Faulty {
     fn name(&self) -> &str {
-        self.inner.name()
+        self.claimed.as_deref().unwrap_or_else(|| self.inner.name())
     }
     unsafe fn register_memory(&mut self, regions: &[MemoryRegion]) -> Result<(), TransportError> {
         // SAFETY: forwarded; the caller's promise covers the inner transport too.
@@ -607,6 +623,60 @@ fn raw_peer(hello: Hello, handler: Arc<Recorder>) -> SideChannel {
     config.heartbeat_interval = Duration::from_millis(100);
     config.peer_timeout = Duration::from_millis(1_000);
     SideChannel::start(config, hello, handler).unwrap()
+}
+
+/// D's whole cache is untouched but for `written` (every region's blocks of D, from P's blocks),
+/// which hold P's KV token by token.
+fn assert_only_written(d: &Cache, p: &Cache, written: &[(&[u32], &[u32])], tokens: u64) {
+    let mut expected = vec![0u8; d.memory.len()];
+    for (d_blocks, p_blocks) in written {
+        for region in 0..REGIONS {
+            for token in 0..tokens {
+                let src = p.offset(region, p_blocks, 0, token);
+                let dst = d.offset(region, d_blocks, 0, token);
+                let n = TOKEN_BYTES as usize;
+                expected[dst..dst + n].copy_from_slice(&p.memory[src..src + n]);
+            }
+        }
+    }
+    let wrong = d.memory.iter().zip(&expected).filter(|(a, b)| a != b).count();
+    assert_eq!(wrong, 0, "{wrong} bytes of D differ from P's KV in the blocks written alone");
+}
+
+#[test]
+fn an_agent_name_another_process_holds_is_refused_at_the_handshake() {
+    // A second D process declares the agent name of the first one (its metadata is its own).
+    // P must refuse it at the handshake, naming the collision: sharing the first D's agent by
+    // name would write the second D's transfers into the first D's memory.
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let victim_cache = Cache::new(16, |_| 0);
+    let impostor_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-p12");
+    let victim = victim_cache.endpoint("ep-victim");
+    let impostor =
+        impostor_cache.endpoint_as("ep-impostor", Some("ep-victim"), Fault::None, |_| {});
+    victim.expect(expectation(&p, "req-victim", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    let mut theirs = expectation(&p, "req-impostor", &[3, 4], 0, 20);
+    theirs.transfer_id = Some("xfer-impostor".into());
+    impostor.expect(theirs).unwrap();
+    let refused = events(&impostor, 1);
+    assert!(
+        matches!(&refused[..], [Event { outcome: Outcome::Failed(reason), .. }]
+            if reason.contains("\"ep-victim\"") && reason.contains("another agent")),
+        "{refused:?}"
+    );
+    assert_eq!(reason_of(&refused[0]), Some(Reason::Unreachable));
+
+    p.ready(ready("req-victim", &[5, 6], 20)).unwrap();
+    let mut kv = ready("req-p-impostor", &[7, 8], 20);
+    kv.transfer_id = Some("xfer-impostor".into());
+    p.ready(kv).unwrap();
+    let received = events(&victim, 1);
+    assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+    drop((p, victim, impostor));
+    assert_only_written(&victim_cache, &p_cache, &[(&[1, 2], &[5, 6])], 20);
+    assert!(impostor_cache.memory.iter().all(|&b| b == 0), "the impostor received KV");
 }
 
 #[test]

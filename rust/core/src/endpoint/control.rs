@@ -5,12 +5,14 @@
 //! never queues behind the writer; only a match (or a reply to send) is handed to the writer.
 //!
 //! Every registration belongs to the authenticated peer that made it (its [`Owner`]: D's engine
-//! id and process-unique agent name): no other peer can supersede or cancel it. The peers of one
-//! host hold at most `quota` registrations at once between them, counted by the [`Slot`] each
-//! registration carries, so that no host (however many connections or engine ids it opens) can
-//! fill the table that every other D shares. A registration the table already holds for its
-//! owner (same key and epoch) is a duplicate: counted and ignored before the quota or any other
-//! refusal, since a FAIL for that epoch would end it on D while P may write it.
+//! id and process-unique agent name): no other peer can supersede or cancel it. A peer whose
+//! agent name already stands for another agent here (other metadata: another process) is
+//! refused at the handshake (see `agents`), so that no two processes share an owner or an agent.
+//! The peers of one host hold at most `quota` registrations at once between them, counted by the
+//! [`Slot`] each registration carries, so that no host (however many connections or engine ids
+//! it opens) can fill the table that every other D shares. A registration the table already
+//! holds for its owner (same key and epoch) is a duplicate: counted and ignored before the quota
+//! or any other refusal, since a FAIL for that epoch would end it on D while P may write it.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -29,6 +31,7 @@ use crate::side_channel::{ControlHandler, PeerId, PeerInfo};
 use crate::sync::lock;
 use crate::transport::{MemoryKind, MemorySpace};
 
+use super::agents;
 use super::fanout::{self, FanOut};
 use super::send::Registration;
 use super::writer::Command;
@@ -55,6 +58,8 @@ struct PeerEntry {
     owner: Owner,
     /// Registrations held now by every peer of this one's host.
     held: Arc<AtomicUsize>,
+    /// The agent name this connection claimed (see `agents`), released when it is lost.
+    agent: String,
 }
 
 #[derive(Debug)]
@@ -280,13 +285,18 @@ impl ControlHandler for Control {
             ));
         }
         self.shared.health()?;
+        // Last: a claim is released only by this peer's loss, which follows an `Ok` alone.
+        let digest = agents::digest(&hello.agent_metadata);
+        self.shared.agents.claim(&hello.engine_id, &hello.agent_name, digest)?;
         let held = Arc::clone(lock(&self.hosts).entry(peer.addr.ip()).or_default());
-        let entry = PeerEntry { owner: owner_of(hello), held };
+        let agent = hello.agent_name.clone();
+        let entry = PeerEntry { owner: owner_of(hello), held, agent };
         lock(&self.peers).insert(peer.id, entry);
         if self.shared.send(Command::PeerJoined(peer.clone())) {
             Ok(())
         } else {
             lock(&self.peers).remove(&peer.id);
+            self.shared.agents.release(&hello.agent_name);
             Err("this worker is shutting down".to_owned())
         }
     }
@@ -303,7 +313,9 @@ impl ControlHandler for Control {
 
     fn peer_lost(&self, peer: PeerId, reason: &str) {
         let at = Instant::now();
-        lock(&self.peers).remove(&peer);
+        if let Some(entry) = lock(&self.peers).remove(&peer) {
+            self.shared.agents.release(&entry.agent);
+        }
         self.shared.send(Command::PeerLost { peer, reason: reason.to_owned(), at });
     }
 

@@ -32,8 +32,11 @@
 //!   lost connections, reported as one `Receive` event.
 //! - `fanout` (P) and `awaited` (D): one request's state when P and D run different tensor
 //!   parallel sizes (one P rank written into several D ranks; one D rank fed by several P ranks).
+//! - `agents`: which agent a peer's agent name stands for (name and metadata digest), so that
+//!   a second process reusing a name is refused instead of written into the first one's memory.
 //! - `events`: what the endpoint reports.
 
+mod agents;
 mod awaited;
 mod control;
 mod events;
@@ -327,6 +330,8 @@ pub(crate) struct Shared {
     pub(crate) writer_beat_ms: AtomicU64,
     /// See [`WRITER_STALL`]: the stall threshold of this endpoint.
     pub(crate) stall_after: Duration,
+    /// The peer agent names in use and the metadata each stands for (see `agents`).
+    pub(crate) agents: agents::Agents,
 }
 
 impl Shared {
@@ -409,6 +414,7 @@ impl Endpoint {
             dead: OnceLock::new(),
             writer_beat_ms: AtomicU64::new(0),
             stall_after: WRITER_STALL.max(config.peer_timeout),
+            agents: agents::Agents::default(),
         });
         let vram_refusal =
             transport.can_write_into(MemorySpace { kind: MemoryKind::Vram, device: 0 }).err();
