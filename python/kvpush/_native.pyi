@@ -233,6 +233,8 @@ class Endpoint:
     until :meth:`close`. With ``transport="nixl"`` the library is found by
     :func:`kvpush.nixl.library_path` unless ``nixl_library`` names it; the native writer thread
     drives NIXL's progress itself unless ``nixl_progress_thread`` asks for NIXL's own thread.
+    Without a ``secret``, the side channel listens only on loopback and connects only to P
+    workers on loopback, unless ``insecure`` opts out.
     """
 
     def __init__(

@@ -737,3 +737,46 @@ fn a_done_counts_only_from_its_registrations_agent_signed_as_it_with_its_nonce()
     assert_eq!(d.stats().stray_notifications, 3);
     fake.close();
 }
+
+#[test]
+fn without_a_secret_d_connects_only_to_loopback_unless_the_operator_opts_out() {
+    let p_cache = Cache::new(16, |i| (i % 7) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let open = |c: &mut EndpointConfig| {
+        c.secret = None;
+        c.connect_timeout = Duration::from_millis(300);
+    };
+    let d = d_cache.endpoint_with("ep-d14", Fault::None, open);
+    let mut far = expectation(&d, "req-far", &[1], 0, 10);
+    far.sources = vec!["192.0.2.1:5600".into()]; // TEST-NET-1: never a loopback address
+    d.expect(far.clone()).unwrap();
+    let refused = events(&d, 1);
+    assert!(
+        matches!(&refused[..], [Event { outcome: Outcome::Failed(reason), .. }]
+            if reason.contains("192.0.2.1") && reason.contains("without a shared secret")
+                && reason.contains("KVPUSH_SECRET") && reason.contains("KVPUSH_INSECURE")),
+        "{refused:?}"
+    );
+    assert_eq!(reason_of(&refused[0]), Some(Reason::Unreachable));
+
+    // The operator's opt-out lets D try (and here fail to reach it, for what the network says).
+    let opted = d_cache.endpoint_with("ep-d15", Fault::None, |c| {
+        open(c);
+        c.allow_insecure = true;
+    });
+    opted.expect(far).unwrap();
+    let tried = events(&opted, 1);
+    assert!(
+        matches!(&tried[..], [Event { outcome: Outcome::Failed(reason), .. }]
+            if reason.contains("cannot connect") && !reason.contains("without a shared secret")),
+        "{tried:?}"
+    );
+
+    // Loopback needs no secret.
+    let p = p_cache.endpoint_with("ep-p14", Fault::None, open);
+    d.expect(expectation(&p, "req-near", &[2, 3], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    p.ready(ready("req-near", &[4, 5], 20)).unwrap();
+    let received = events(&d, 1);
+    assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+}

@@ -110,7 +110,9 @@ pub struct EndpointConfig {
     /// `kvpush_nixl::delivery_bound()`, which reads UCX's environment (as Python's `Endpoint`
     /// does).
     pub delivery_bound: Duration,
-    /// Listen beyond loopback without a secret (see `SideChannelConfig::allow_insecure`).
+    /// Listen beyond loopback, and connect to P workers beyond it, without a secret (see
+    /// `SideChannelConfig::allow_insecure`). Without it and without a secret, an expectation
+    /// naming a P that is not on loopback fails at once, naming the host.
     pub allow_insecure: bool,
     /// Most registrations the D peers of one host may hold in P's table at once (a quarter of
     /// the table by default: 16,384).

@@ -15,6 +15,10 @@
 //! key and epoch and echoes the nonce of the leg's registration: anything else is counted as a
 //! stray and changes nothing.
 //!
+//! Without a secret, D connects out only to loopback addresses unless the operator opted out
+//! (`allow_insecure`): the side channel refuses, and the leg fails at once naming the host (a D
+//! hands the P it connects to its agent metadata, which is write access to its whole KV cache).
+//!
 //! `awaited` holds the per-request state and its rules; this module does the I/O they call for.
 
 use std::collections::HashMap;
