@@ -780,3 +780,140 @@ fn without_a_secret_d_connects_only_to_loopback_unless_the_operator_opts_out() {
     let received = events(&d, 1);
     assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
 }
+
+#[test]
+fn a_re_expect_cancels_the_old_registration_and_reports_it_before_the_new_receive() {
+    // D re-expects a request at a higher epoch, from another P. The old P must hear a CANCEL:
+    // D hands the old blocks back with the old receive's event, and a registration the old P
+    // kept would let its KV land in them later.
+    let old_cache = Cache::new(16, |_| 0xAA);
+    let new_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let old_p = old_cache.endpoint("ep-p-old");
+    let new_p = new_cache.endpoint("ep-p-new");
+    let d = d_cache.endpoint("ep-d16");
+    d.expect(expectation(&old_p, "req-again", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&old_p);
+    let mut again = expectation(&new_p, "req-again", &[5, 6], 0, 20);
+    again.epoch = 2;
+    d.expect(again).unwrap();
+    wait_for_registration(&new_p);
+
+    let old = events(&d, 1);
+    assert!(
+        matches!(&old[..], [Event { outcome: Outcome::Cancelled(reason), request_id, .. }]
+            if reason.contains("superseded") && request_id == "req-again"),
+        "{old:?}"
+    );
+    assert_eq!(reason_of(&old[0]), Some(Reason::Cancelled));
+    assert_eq!(old_p.pending(), 0, "the old P still holds the old registration");
+    assert!(old_p.ready(ready("req-again", &[1, 2], 20)).is_err(), "the old P may still write");
+
+    new_p.ready(ready("req-again", &[3, 4], 20)).unwrap();
+    let new = events(&d, 1);
+    assert!(matches!(&new[..], [Event { outcome: Outcome::Done, .. }]), "{new:?}");
+    assert!(d.wait(Duration::from_millis(200)).is_empty(), "one event per receive");
+    drop((old_p, new_p, d));
+    assert_only_written(&d_cache, &new_cache, &[(&[5, 6], &[3, 4])], 20);
+}
+
+#[test]
+fn a_re_expect_on_the_same_p_reports_the_old_receive_once_its_write_is_over() {
+    // The old epoch's WRITE is in flight when D re-expects on the same P: P holds the new
+    // registration until that WRITE is over, acknowledges the old epoch's CANCEL then, and
+    // writes the new blocks. D reports the old receive, then the new one.
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint_with("ep-p17", Fault::SlowWrites(Duration::from_secs(2)), |_| {});
+    let d = d_cache.endpoint("ep-d17");
+    d.expect(expectation(&p, "req-retry", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    p.ready(ready("req-retry", &[3, 4], 20)).unwrap();
+    std::thread::sleep(Duration::from_millis(100)); // the old epoch's WRITE is posted
+    let mut again = expectation(&p, "req-retry", &[5, 6], 0, 20);
+    again.epoch = 2;
+    d.expect(again).unwrap();
+
+    let received = events(&d, 2);
+    assert!(
+        matches!(&received[..], [
+            Event { outcome: Outcome::Cancelled(reason), .. },
+            Event { outcome: Outcome::Done, .. },
+        ] if reason.contains("superseded")),
+        "{received:?}"
+    );
+    let sent = events(&p, 1);
+    assert!(matches!(&sent[..], [Event { outcome: Outcome::Done, .. }]), "{sent:?}");
+    drop((p, d));
+    assert_only_written(&d_cache, &p_cache, &[(&[1, 2], &[3, 4]), (&[5, 6], &[3, 4])], 20);
+}
+
+#[test]
+fn a_re_expect_at_the_same_epoch_is_refused_and_the_receive_goes_on() {
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-p18");
+    let d = d_cache.endpoint("ep-d18");
+    d.expect(expectation(&p, "req-twice", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    d.expect(expectation(&p, "req-twice", &[7, 8], 0, 20)).unwrap();
+    let refused = events(&d, 1);
+    assert!(
+        matches!(&refused[..], [Event { outcome: Outcome::Failed(reason), .. }]
+            if reason.contains("higher epoch")),
+        "{refused:?}"
+    );
+    assert_eq!(reason_of(&refused[0]), Some(Reason::Refused));
+    p.ready(ready("req-twice", &[3, 4], 20)).unwrap();
+    let received = events(&d, 1);
+    assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+    drop((p, d));
+    assert_only_written(&d_cache, &p_cache, &[(&[1, 2], &[3, 4])], 20);
+}
+
+#[test]
+fn a_re_expects_receive_is_reported_after_the_one_it_superseded() {
+    // The old P's WRITE is in flight, so its CANCEL is acknowledged only when that WRITE is
+    // over; the new P delivers first. D still reports the old receive first: the engine sees
+    // the two receives end in the order it asked for them.
+    let old_cache = Cache::new(16, |_| 0xAA);
+    let new_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let slow = Fault::SlowWrites(Duration::from_secs(2));
+    let old_p = old_cache.endpoint_with("ep-p-slow-old", slow, |_| {});
+    let new_p = new_cache.endpoint("ep-p-fast-new");
+    let d = d_cache.endpoint("ep-d19");
+    d.expect(expectation(&old_p, "req-order", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&old_p);
+    old_p.ready(ready("req-order", &[3, 4], 20)).unwrap();
+    std::thread::sleep(Duration::from_millis(100)); // the old epoch's WRITE is posted
+    let mut again = expectation(&new_p, "req-order", &[5, 6], 0, 20);
+    again.epoch = 2;
+    d.expect(again).unwrap();
+    wait_for_registration(&new_p);
+    new_p.ready(ready("req-order", &[7, 8], 20)).unwrap();
+    let delivered = events(&new_p, 1);
+    assert!(matches!(&delivered[..], [Event { outcome: Outcome::Done, .. }]), "{delivered:?}");
+
+    let received = events(&d, 2);
+    assert!(
+        matches!(&received[..], [
+            Event { outcome: Outcome::Cancelled(reason), .. },
+            Event { outcome: Outcome::Done, .. },
+        ] if reason.contains("superseded")),
+        "{received:?}"
+    );
+    drop((old_p, new_p, d));
+    for (d_blocks, p_cache, p_blocks) in
+        [(&[1u32, 2][..], &old_cache, &[3u32, 4][..]), (&[5, 6], &new_cache, &[7, 8])]
+    {
+        for region in 0..REGIONS {
+            for token in 0..20 {
+                let src = p_cache.offset(region, p_blocks, 0, token);
+                let dst = d_cache.offset(region, d_blocks, 0, token);
+                let n = TOKEN_BYTES as usize;
+                assert_eq!(d_cache.memory[dst..dst + n], p_cache.memory[src..src + n]);
+            }
+        }
+    }
+}

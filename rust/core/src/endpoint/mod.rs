@@ -693,9 +693,15 @@ fn check_ttl(request_id: &str, ttl: Duration) -> Result<(), EndpointError> {
     Ok(())
 }
 
-/// An expectation names at least one P rank, each once (a rank's DONE counts once).
+/// An expectation names at least one P rank, each once (a rank's DONE counts once), for a
+/// request id without a NUL (the receive path keys a superseded receive with one).
 fn check_sources(expectation: &Expectation) -> Result<(), EndpointError> {
     let request_id = &expectation.request_id;
+    if request_id.contains('\0') {
+        return Err(EndpointError::Invalid(format!(
+            "request id {request_id:?} holds a NUL character; request ids are text"
+        )));
+    }
     if expectation.sources.is_empty() {
         return Err(EndpointError::Invalid(format!(
             "request {request_id}: no P address to receive from"

@@ -19,6 +19,21 @@
 //! (`allow_insecure`): the side channel refuses, and the leg fails at once naming the host (a D
 //! hands the P it connects to its agent metadata, which is write access to its whole KV cache).
 //!
+//! # A re-expect
+//!
+//! An expectation for a request id that is still awaited, at a higher epoch (D re-registers
+//! after a preemption or a retry), supersedes the awaited receive. The new receive's REGISTERs
+//! go out first, so that a P it shares with the old one supersedes the old registration in its
+//! table; then the old receive is cancelled like any other: its registered legs get a CANCEL
+//! for the old epoch, and the old receive waits, under its own key (the request id and its
+//! epoch), until each of them is acknowledged or otherwise over (its DONE, its FAIL, its horizon
+//! after a lost connection), since P may still be writing the old blocks. The old receive ends
+//! in one event (`Cancelled`, unless a leg was quarantined), and the new receive's event is held
+//! until the old one's went out: the engine sees the two in the order it asked for them. A
+//! re-expect at an epoch not above the awaited one's is refused with its own event (`Refused`)
+//! and leaves the awaited receive as it is: P would keep writing the blocks of the registration
+//! it holds for that epoch.
+//!
 //! `awaited` holds the per-request state and its rules; this module does the I/O they call for.
 
 use std::collections::HashMap;
@@ -32,6 +47,7 @@ use crate::protocol::{
     fresh_session, unix_millis, Cancel, Decoder, Done, FailReason, Limits, Message, Register,
     Secret,
 };
+use crate::rendezvous::Epoch;
 use crate::side_channel::{PeerId, PeerInfo};
 use crate::transport::{Notification, Transport};
 
@@ -49,8 +65,12 @@ enum Source {
 
 /// The receive path's state in the writer.
 pub(super) struct Receives {
-    /// The receives awaited, by D's request id.
+    /// The receives awaited, by D's request id; a receive a re-expect superseded, under
+    /// [`superseded_key`] until its legs are over.
     awaited: HashMap<String, Awaited>,
+    /// Superseded receives not yet reported, by request id: the request's current receive is
+    /// reported only after them.
+    superseded: HashMap<String, usize>,
     /// Some awaited receive is not fenced (its DONEs may come any moment): poll busily.
     /// Set by every new expectation, recomputed at each deadline check, so that the poll period
     /// does not scan `awaited` on every turn of the loop.
@@ -78,6 +98,7 @@ impl Receives {
     pub(super) fn new(secret: Option<Secret>, limits: Limits) -> Self {
         Self {
             awaited: HashMap::new(),
+            superseded: HashMap::new(),
             awaits_kv: false,
             sources: HashMap::new(),
             connect_requests: None,
@@ -98,6 +119,12 @@ impl Receives {
     }
 }
 
+/// The key a receive superseded by a re-expect waits under (see the module docs): no request id
+/// holds a NUL (`Endpoint::expect` refuses one), so it is never a request's own key.
+fn superseded_key(request_id: &str, epoch: Epoch) -> String {
+    format!("{request_id}\0{epoch}")
+}
+
 impl<T: Transport> Writer<T> {
     pub(super) fn expect(&mut self, expectation: Expectation, at: Instant) {
         let mut key =
@@ -108,7 +135,25 @@ impl<T: Transport> Writer<T> {
         }
         let request_id = expectation.request_id.clone();
         let sources = expectation.sources.clone();
-        // A re-registration (higher epoch) replaces the old wait; P supersedes the old one.
+        let epoch = expectation.epoch;
+        let awaited_at = self.receives.awaited.get(&request_id).map(|a| a.expectation.epoch);
+        if let Some(held) = awaited_at.filter(|&held| held >= epoch) {
+            let detail = format!(
+                "request {request_id} is awaited at epoch {held}; a re-expect must carry a \
+                 higher epoch than that, not {epoch} (the awaited receive goes on)"
+            );
+            self.emit(Event {
+                role: Role::Receive,
+                request_id,
+                key,
+                outcome: Outcome::failed(Reason::Refused, detail),
+                bytes: 0,
+                runs: 0,
+                timeline: Timeline { registered: Some(self.seconds(at)), ..Timeline::default() },
+            });
+            return;
+        }
+        let previous = self.receives.awaited.remove(&request_id);
         self.receives.awaited.insert(request_id.clone(), Awaited::new(expectation, key, at));
         self.receives.awaits_kv = true;
         for (leg, source) in sources.into_iter().enumerate() {
@@ -124,7 +169,41 @@ impl<T: Transport> Writer<T> {
                 }
             }
         }
+        // After the new REGISTERs: on a P both name, the new one supersedes the old one first,
+        // and the CANCEL of the old epoch then only waits for a WRITE of it in flight.
+        if let Some(previous) = previous {
+            self.supersede(previous, epoch);
+        }
         self.settle(&request_id);
+    }
+
+    /// A re-expect at `epoch` replaced `previous`: it is cancelled, and reported under its own
+    /// key once none of its legs can still be written (see the module docs).
+    fn supersede(&mut self, mut previous: Awaited, epoch: Epoch) {
+        let request_id = previous.expectation.request_id.clone();
+        let old = previous.expectation.epoch;
+        let detail = format!(
+            "request {request_id}: the receive at epoch {old} was superseded by a re-expect at \
+             epoch {epoch}"
+        );
+        let stops = previous.cancel(Outcome::cancelled(Reason::Cancelled, detail));
+        let key = superseded_key(&request_id, old);
+        self.receives.awaited.insert(key.clone(), previous);
+        *self.receives.superseded.entry(request_id).or_default() += 1;
+        self.stop_legs(&key, &stops);
+        self.settle(&key);
+    }
+
+    /// The key of `request_id`'s receive at `epoch`: the request's current receive, or one a
+    /// re-expect superseded.
+    fn receive_at(&self, request_id: &str, epoch: Epoch) -> Option<String> {
+        match self.receives.awaited.get(request_id) {
+            Some(current) if current.expectation.epoch == epoch => Some(request_id.to_owned()),
+            _ => {
+                let key = superseded_key(request_id, epoch);
+                self.receives.awaited.contains_key(&key).then_some(key)
+            }
+        }
     }
 
     fn request_connect(&mut self, source: String) {
@@ -323,7 +402,7 @@ impl<T: Transport> Writer<T> {
             }
             let cancel = Cancel {
                 transfer_key: awaited.key.as_str().to_owned(),
-                request_id: request_id.to_owned(),
+                request_id: awaited.expectation.request_id.clone(),
                 epoch: awaited.expectation.epoch,
             };
             self.send(peer, Message::Cancel(cancel));
@@ -336,22 +415,27 @@ impl<T: Transport> Writer<T> {
         self.cancel_receive(request_id, outcome);
     }
 
-    /// Reports `request_id`'s receive if its last leg is over.
-    fn settle(&mut self, request_id: &str) {
-        let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
+    /// Reports the receive under `key` if its last leg is over (and, for a request's current
+    /// receive, once the receives a re-expect superseded were reported).
+    fn settle(&mut self, key: &str) {
+        if self.receives.superseded.contains_key(key) {
+            return;
+        }
+        let Some(awaited) = self.receives.awaited.get_mut(key) else { return };
         if !awaited.is_over() {
             return;
         }
         let outcome = awaited.outcome();
-        self.end_receive(request_id, outcome);
+        self.end_receive(key, outcome);
     }
 
-    fn end_receive(&mut self, request_id: &str, outcome: Outcome) {
-        let Some(awaited) = self.receives.awaited.remove(request_id) else { return };
+    fn end_receive(&mut self, key: &str, outcome: Outcome) {
+        let Some(awaited) = self.receives.awaited.remove(key) else { return };
+        let request_id = awaited.expectation.request_id.clone();
         let completed = Instant::now();
         self.emit(Event {
             role: Role::Receive,
-            request_id: request_id.to_owned(),
+            request_id: request_id.clone(),
             key: awaited.key,
             outcome,
             bytes: awaited.bytes,
@@ -362,6 +446,17 @@ impl<T: Transport> Writer<T> {
                 ..Timeline::default()
             },
         });
+        if key != request_id {
+            // A superseded receive: the request's current one may have been waiting for it.
+            let left = self.receives.superseded.get_mut(&request_id).map(|left| {
+                *left -= 1;
+                *left
+            });
+            if left == Some(0) {
+                self.receives.superseded.remove(&request_id);
+                self.settle(&request_id);
+            }
+        }
     }
 
     /// Takes the transport's notifications (a transport without its own progress thread is
@@ -399,10 +494,8 @@ impl<T: Transport> Writer<T> {
         // transport's sender, the signed sender and the leg's agent agree, and the DONE echoes
         // the registration's nonce. Anything else (another agent, a name that does not match its
         // signature, an ended receive, an epoch or registration D has since replaced) is stray.
-        let current = self.receives.awaited.get(&done.request_id);
-        let current = current.is_some_and(|a| a.expectation.epoch == done.epoch);
-        let key = (from == sender && current).then(|| done.request_id.clone());
-        let leg = key.and_then(|key| {
+        let key = (from == sender).then(|| self.receive_at(&done.request_id, done.epoch));
+        let leg = key.flatten().and_then(|key| {
             let awaited = self.receives.awaited.get(&key)?;
             let leg = awaited.leg_of_agent(from)?;
             let echoed = awaited.legs[leg].nonce == done.nonce;
@@ -424,14 +517,8 @@ impl<T: Transport> Writer<T> {
     pub(super) fn peer_message(&mut self, peer: PeerId, message: Message) {
         match message {
             Message::Fail(fail) => {
-                let Some(awaited) = self
-                    .receives
-                    .awaited
-                    .get(&fail.request_id)
-                    .filter(|a| a.expectation.epoch == fail.epoch)
-                else {
-                    return;
-                };
+                let Some(key) = self.receive_at(&fail.request_id, fail.epoch) else { return };
+                let Some(awaited) = self.receives.awaited.get(&key) else { return };
                 let Some(leg) = awaited
                     .leg_on(peer)
                     .filter(|&leg| !matches!(awaited.legs[leg].state, LegState::Over))
@@ -445,23 +532,16 @@ impl<T: Transport> Writer<T> {
                     FailReason::Quarantined => Outcome::quarantined(detail),
                     reason => Outcome::failed(Reason::of_fail(&reason), detail),
                 };
-                self.end_leg(&fail.request_id, leg, Some(outcome));
+                self.end_leg(&key, leg, Some(outcome));
             }
             Message::CancelAck(ack) => {
-                let leg = self
-                    .receives
-                    .awaited
-                    .get(&ack.request_id)
-                    .filter(|a| a.expectation.epoch == ack.epoch)
-                    .and_then(|a| a.leg_on(peer))
-                    .filter(|&leg| {
-                        matches!(
-                            self.receives.awaited[&ack.request_id].legs[leg].state,
-                            LegState::Cancelling { .. }
-                        )
-                    });
+                let Some(key) = self.receive_at(&ack.request_id, ack.epoch) else { return };
+                let leg = self.receives.awaited.get(&key).and_then(|a| {
+                    a.leg_on(peer)
+                        .filter(|&leg| matches!(a.legs[leg].state, LegState::Cancelling { .. }))
+                });
                 if let Some(leg) = leg {
-                    self.end_leg(&ack.request_id, leg, None);
+                    self.end_leg(&key, leg, None);
                 }
             }
             // Error replies, stray DONEs on the side channel: nothing is waiting on them.
