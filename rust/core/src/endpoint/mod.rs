@@ -43,6 +43,8 @@ mod events;
 mod fanout;
 mod receive;
 mod send;
+#[cfg(test)]
+mod tests;
 mod writer;
 
 use std::net::SocketAddr;
@@ -337,6 +339,21 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The state of a new endpoint whose writer reads `inbox`.
+    pub(crate) fn new(config: &EndpointConfig, inbox: Sender<Command>) -> Self {
+        Self {
+            table: RendezvousTable::new(config.table.clone()),
+            fanouts: Mutex::new(fanout::FanOuts::new()),
+            inbox,
+            origin: Instant::now(),
+            counters: Counters::default(),
+            dead: OnceLock::new(),
+            writer_beat_ms: AtomicU64::new(0),
+            stall_after: WRITER_STALL.max(config.peer_timeout),
+            agents: agents::Agents::default(),
+        }
+    }
+
     /// Hands `command` to the writer; false once the writer has stopped.
     pub(crate) fn send(&self, command: Command) -> bool {
         self.inbox.send(command).is_ok()
@@ -407,17 +424,7 @@ impl Endpoint {
         };
         let (inbox, commands) = mpsc::channel();
         let (event_sink, events) = mpsc::channel();
-        let shared = Arc::new(Shared {
-            table: RendezvousTable::new(config.table.clone()),
-            fanouts: Mutex::new(fanout::FanOuts::new()),
-            inbox,
-            origin: Instant::now(),
-            counters: Counters::default(),
-            dead: OnceLock::new(),
-            writer_beat_ms: AtomicU64::new(0),
-            stall_after: WRITER_STALL.max(config.peer_timeout),
-            agents: agents::Agents::default(),
-        });
+        let shared = Arc::new(Shared::new(&config, inbox));
         let vram_refusal =
             transport.can_write_into(MemorySpace { kind: MemoryKind::Vram, device: 0 }).err();
         let control = Arc::new(Control::new(

@@ -241,6 +241,14 @@ impl<T: Transport> Writer<T> {
     }
 
     pub(super) fn connected(&mut self, source: String, result: Result<PeerInfo, String>) {
+        let result = match result {
+            // The connection was lost before its result came here (its `PeerLost` was handled
+            // first): it is not a source to register with, now or later.
+            Ok(info) if !self.peers.contains_key(&info.id) => {
+                Err("the connection closed right after its handshake".to_owned())
+            }
+            result => result,
+        };
         let waiting: Vec<(String, usize)> = self
             .receives
             .awaited
