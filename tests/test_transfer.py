@@ -269,7 +269,8 @@ def test_a_second_d_process_declaring_the_first_ones_agent_name_is_refused() -> 
         second.expect(p.address(), [theirs])
         (refused,) = second.events(1, timeout=10.0)
         assert refused["outcome"] == "failed"
-        assert '"d-one-name"' in refused["reason"] and "another agent" in refused["reason"]
+        assert '"d-one-name"' in refused["reason"]
+        assert "another agent" in refused["reason"]
         assert p.ready([mine, theirs]) == []
         (received,) = first.events(1, timeout=20.0)
         assert received["outcome"] == "done", received

@@ -302,7 +302,8 @@ class Endpoint:
         """D: register ``blocks`` with the P rank(s) at ``source`` and await the KV; ends in one
         event. A request id still awaited may be expected again only at a higher ``epoch``: the
         awaited receive is cancelled with P, and its own ("cancelled") event comes before the new
-        one's; at another epoch the new expectation is refused with its own ("refused") event."""
+        one's. The same call again is ignored (the awaited receive's event answers both); another
+        expectation at the same or a lower epoch is refused with its own ("refused") event."""
     def cancel(self, request_id: str) -> None: ...
     def poll(self) -> list[TransferEvent]: ...
     def wait(self, timeout: float) -> list[TransferEvent]: ...

@@ -849,13 +849,16 @@ fn a_re_expect_on_the_same_p_reports_the_old_receive_once_its_write_is_over() {
 }
 
 #[test]
-fn a_re_expect_at_the_same_epoch_is_refused_and_the_receive_goes_on() {
+fn a_re_expect_at_the_same_epoch_is_refused_unless_it_repeats_the_call() {
     let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
     let d_cache = Cache::new(16, |_| 0);
     let p = p_cache.endpoint("ep-p18");
     let d = d_cache.endpoint("ep-d18");
     d.expect(expectation(&p, "req-twice", &[1, 2], 0, 20)).unwrap();
     wait_for_registration(&p);
+    // The same call again is a duplicate: no event of its own, the receive goes on.
+    d.expect(expectation(&p, "req-twice", &[1, 2], 0, 20)).unwrap();
+    // Other blocks at the same epoch: refused, with its own event.
     d.expect(expectation(&p, "req-twice", &[7, 8], 0, 20)).unwrap();
     let refused = events(&d, 1);
     assert!(
@@ -867,6 +870,7 @@ fn a_re_expect_at_the_same_epoch_is_refused_and_the_receive_goes_on() {
     p.ready(ready("req-twice", &[3, 4], 20)).unwrap();
     let received = events(&d, 1);
     assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+    assert!(d.wait(Duration::from_millis(200)).is_empty(), "one event per receive");
     drop((p, d));
     assert_only_written(&d_cache, &p_cache, &[(&[1, 2], &[3, 4])], 20);
 }

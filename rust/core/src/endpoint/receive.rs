@@ -29,10 +29,12 @@
 //! epoch), until each of them is acknowledged or otherwise over (its DONE, its FAIL, its horizon
 //! after a lost connection), since P may still be writing the old blocks. The old receive ends
 //! in one event (`Cancelled`, unless a leg was quarantined), and the new receive's event is held
-//! until the old one's went out: the engine sees the two in the order it asked for them. A
-//! re-expect at an epoch not above the awaited one's is refused with its own event (`Refused`)
-//! and leaves the awaited receive as it is: P would keep writing the blocks of the registration
-//! it holds for that epoch.
+//! until the old one's went out: the engine sees the two in the order it asked for them. The
+//! same expectation again (a retried call) is a duplicate: ignored, and the awaited receive's
+//! event answers both, as P ignores a duplicate registration. Any other re-expect at an epoch
+//! not above the awaited one's is refused with its own event (`Refused`) and leaves the awaited
+//! receive as it is: P would keep writing the blocks of the registration it holds for that
+//! epoch.
 //!
 //! `awaited` holds the per-request state and its rules; this module does the I/O they call for.
 
@@ -136,7 +138,12 @@ impl<T: Transport> Writer<T> {
         let request_id = expectation.request_id.clone();
         let sources = expectation.sources.clone();
         let epoch = expectation.epoch;
-        let awaited_at = self.receives.awaited.get(&request_id).map(|a| a.expectation.epoch);
+        let awaited = self.receives.awaited.get(&request_id);
+        if awaited.is_some_and(|a| a.expectation == expectation) {
+            // The same call again (a retry): the awaited receive's event answers both.
+            return;
+        }
+        let awaited_at = awaited.map(|a| a.expectation.epoch);
         if let Some(held) = awaited_at.filter(|&held| held >= epoch) {
             let detail = format!(
                 "request {request_id} is awaited at epoch {held}; a re-expect must carry a \
