@@ -54,8 +54,8 @@ def mac_input(env: dict[str, Any]) -> bytes:
 def test_messages_round_trip(secret: bytes) -> None:
     encoder, decoder = kvpush.Encoder("decode-0", secret), kvpush.Decoder(secret)
     envelope = decoder.decode(encoder.encode(REGISTER))
-    # A register without a fan-out (an older peer's) is for one D rank.
-    assert envelope["message"] == {**REGISTER, "fanout": 1}
+    # A register without a fan-out (an older peer's) is for one D rank; without a nonce, none.
+    assert envelope["message"] == {**REGISTER, "fanout": 1, "nonce": 0}
     assert envelope["sender"] == "decode-0"
     assert envelope["seq"] == 1
     assert envelope["session"] == encoder.session

@@ -246,6 +246,44 @@ def test_p_process_death_fails_d_once_p_write_horizon_passed(transport: str) -> 
         pair.close()
 
 
+def test_a_second_d_process_declaring_the_first_ones_agent_name_is_refused() -> None:
+    """Two D processes declare one NIXL agent name (their agent metadata differ). P must refuse
+    the second at the handshake, naming the collision: sharing the first D's agent by name would
+    write the second D's transfers into the first D's memory."""
+    nixl_or_skip()
+    secret = b"shared-secret-of-the-test-pair"
+
+    def worker(role: str, shape: CacheShape, seed: int | None, **options: Any) -> RemoteWorker:
+        return RemoteWorker(UCX_LOOPBACK, role=role, shape=shape, seed=seed, transport="nixl",
+                            secret=secret, options=options)  # fmt: skip
+
+    p = worker("p", P_SHAPE, P_SEED)
+    first = worker("d", D_SHAPE, None, agent_name="d-one-name")
+    second = worker("d", D_SHAPE, None, agent_name="d-one-name")
+    try:
+        mine, theirs = make_requests(random.Random(40), 2, "name")
+        first.expect(p.address(), [mine])
+        deadline = time.monotonic() + 10.0
+        while p.pending() < 1:
+            assert time.monotonic() < deadline, "the first D's registration never reached P"
+            time.sleep(0.02)
+        second.expect(p.address(), [theirs])
+        (refused,) = second.events(1, timeout=10.0)
+        assert refused["outcome"] == "failed"
+        assert '"d-one-name"' in refused["reason"]
+        assert "another agent" in refused["reason"]
+        assert p.ready([mine, theirs]) == []
+        (received,) = first.events(1, timeout=20.0)
+        assert received["outcome"] == "done", received
+        for d, delivered in ((first, [mine]), (second, [])):
+            result = d.verify(P_SHAPE, P_SEED, delivered)
+            assert result["wrong"] == 0, f"{result['wrong']} bytes of a D are wrong"
+    finally:
+        second.close()
+        first.close()
+        p.close()
+
+
 def test_endpoint_binds_a_host_name() -> None:
     worker = Worker("p", P_SHAPE, P_SEED, "loopback")
     try:

@@ -143,13 +143,17 @@ class Worker:
 
     def __post_init__(self) -> None:
         self.cache = PagedCache(self.shape, self.seed)
-        options: dict[str, Any] = {"heartbeat_interval": 0.2, "peer_timeout": 2.0, **self.options}
+        options: dict[str, Any] = {
+            "heartbeat_interval": 0.2,
+            "peer_timeout": 2.0,
+            "agent_name": f"{self.role}-{id(self):x}",
+            **self.options,
+        }
         self.endpoint = kvpush.Endpoint(
             f"{self.role}-engine",
             self.cache.layout(),
             memory=self.cache.memory(),
             transport=self.transport,  # type: ignore[arg-type]
-            agent_name=f"{self.role}-{id(self):x}",
             secret=self.secret,
             compatibility="test-model",
             **options,

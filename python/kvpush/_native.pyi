@@ -234,6 +234,8 @@ class Endpoint:
     ``transport="nixl"`` the library is found by :func:`kvpush.nixl.library_path` unless
     ``nixl_library`` names it; the native writer thread drives NIXL's progress itself unless
     ``nixl_progress_thread`` asks for NIXL's own thread.
+    Without a ``secret``, the side channel listens only on loopback and connects only to P
+    workers on loopback, unless ``insecure`` opts out.
     """
 
     def __init__(
@@ -300,7 +302,13 @@ class Endpoint:
         epoch: int = 1,
         ttl: float = 30.0,
         share: tuple[int, int] | None = None,
-    ) -> None: ...
+    ) -> None:
+        """D: register ``blocks`` with the P rank(s) at ``source`` and await the KV; ends in one
+        event. A request id still awaited may be expected again only at a higher ``epoch``: the
+        awaited receive is cancelled with P, and its own ("cancelled") event comes before the new
+        one's. The same call again is ignored (the awaited receive's event answers both); another
+        expectation at the same or a lower epoch is refused with its own ("refused") event.
+        Raises :class:`BusyError` when the writer is far behind: nothing was done."""
     def cancel(self, request_id: str) -> None:
         """Raises :class:`BusyError` when the writer is far behind: nothing was done."""
     def poll(self) -> list[TransferEvent]:

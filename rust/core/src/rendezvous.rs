@@ -881,7 +881,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     }
 
     /// Whether `key` has a live entry (a half, a match or a write in flight; not a fence).
-    pub fn holds(&self, key: &TransferKey) -> bool {
+    pub fn is_live(&self, key: &TransferKey) -> bool {
         let (hash, shard) = self.shard(key);
         shard
             .entries
@@ -902,6 +902,30 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         let stored = StoredKey { hash, key: key.clone() };
         self.settle(&mut shard, stored, Kind::Absent, fence, now);
         true
+    }
+
+    /// Whether `owner`'s registration of `key` at `epoch` is live: waiting for P's KV, matched,
+    /// being written, or waiting for the write in flight to finish. A registration that repeats
+    /// it is a duplicate: it needs neither a place in the table nor a reply.
+    pub fn holds(&self, key: &TransferKey, epoch: Epoch, owner: Owner) -> bool {
+        let (hash, shard) = self.shard(key);
+        let Some(entry) =
+            shard.entries.find(hash, |entry| entry.key.hash == hash && entry.key.key == *key)
+        else {
+            return false;
+        };
+        match &entry.state {
+            State::Registered { epoch: held, owner: holder, .. }
+            | State::Matched { epoch: held, owner: holder, .. } => {
+                *held == epoch && *holder == owner
+            }
+            State::InFlight { epoch: writing, owner: holder, after, .. } => {
+                let waiting =
+                    matches!(after, AfterWrite::Rematch { epoch: next, .. } if *next == epoch);
+                *holder == owner && (*writing == epoch || waiting)
+            }
+            State::Ready { .. } | State::Fenced { .. } => false,
+        }
     }
 
     /// Live (not ended) entries, fences excluded.
@@ -1360,12 +1384,12 @@ mod tests {
     fn only_a_vacant_key_is_fenced_and_only_live_entries_are_held() {
         let (table, c) = (table(), Clock::new());
         waiting(table.register(key("a"), 1, "reg", c.at(100), c.at(0)));
-        assert!(table.holds(&key("a")));
+        assert!(table.is_live(&key("a")));
         assert!(!table.fence_vacant(&key("a"), FenceReason::Cancelled, c.at(1)));
-        assert!(table.holds(&key("a")), "a live registration is left alone");
-        assert!(!table.holds(&key("b")));
+        assert!(table.is_live(&key("a")), "a live registration is left alone");
+        assert!(!table.is_live(&key("b")));
         assert!(table.fence_vacant(&key("b"), FenceReason::Expired, c.at(2)));
-        assert!(!table.holds(&key("b")), "a fence is not a live entry");
+        assert!(!table.is_live(&key("b")), "a fence is not a live entry");
         assert_eq!(
             table.ready(key("b"), vec![1], c.at(100), c.at(3)),
             Err(RendezvousError::Fenced { key: key("b"), reason: FenceReason::Expired })
@@ -1473,6 +1497,29 @@ mod tests {
             table.register(key("a"), 1, "d0", c.at(100), c.at(2)),
             Err(RendezvousError::StaleEpoch { key: key("a"), epoch: 1, current: 1 })
         );
+    }
+
+    #[test]
+    fn holds_names_the_owners_live_registration_at_its_epoch_only() {
+        let (table, c) = (table(), Clock::new());
+        let k = key("a");
+        assert!(!table.holds(&k, 1, 7), "nothing registered");
+        table.ready(k.clone(), vec![5], c.at(100), c.at(0)).unwrap();
+        assert!(!table.holds(&k, 1, 7), "only P's half");
+        matched(table.register_owned(k.clone(), 1, 7, "d1", c.at(100), c.at(1)));
+        assert!(table.holds(&k, 1, 7), "matched");
+        assert!(!table.holds(&k, 1, 8), "another owner's");
+        assert!(!table.holds(&k, 2, 7), "another epoch");
+        table.begin_write(&k, 1).unwrap();
+        assert!(table.holds(&k, 1, 7), "being written");
+        waiting(table.register_owned(k.clone(), 2, 7, "d2", c.at(100), c.at(2)));
+        assert!(table.holds(&k, 1, 7) && table.holds(&k, 2, 7), "written, and waiting for it");
+        let rematch = table.finish(&k, 1, Outcome::Done, c.at(3)).unwrap().rematch.unwrap();
+        assert_eq!(rematch.epoch, 2);
+        assert!(!table.holds(&k, 1, 7) && table.holds(&k, 2, 7));
+        table.begin_write(&k, 2).unwrap();
+        table.finish(&k, 2, Outcome::Done, c.at(4)).unwrap();
+        assert!(!table.holds(&k, 2, 7), "fenced: the transfer ended");
     }
 
     #[test]

@@ -13,12 +13,17 @@ use kvpush_core::endpoint::{
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::loopback::LoopbackTransport;
 use kvpush_core::planner::DescriptorRun;
-use kvpush_core::protocol::{BlockGroup, Message};
+use kvpush_core::protocol::{
+    unix_millis, BlockGroup, Cancel, Done, Encoder, Hello, Message, Register, Secret,
+    PROTOCOL_VERSION,
+};
+use kvpush_core::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig};
 use kvpush_core::transport::{
     MemoryRegion, MemorySpace, Notification, Transport, TransportError, WriteId, WriteState,
 };
 
 const TOKEN_BYTES: u64 = 16; // 2 heads x 8 bytes
+const SECRET: &[u8] = b"endpoint-test-shared-secret";
 const REGIONS: u64 = 4;
 const BLOCKS: u32 = 32;
 
@@ -77,7 +82,7 @@ impl Cache {
         fault: Fault,
         tune: impl FnOnce(&mut EndpointConfig),
     ) -> Endpoint {
-        self.endpoint_gated(name, fault, None, tune)
+        self.endpoint_gated(name, None, fault, None, tune)
     }
 
     /// An endpoint whose writer sticks in the transport (taking notifications, which it does
@@ -88,18 +93,34 @@ impl Cache {
         gate: &Gate,
         tune: impl FnOnce(&mut EndpointConfig),
     ) -> Endpoint {
-        self.endpoint_gated(name, Fault::None, Some(gate.clone()), tune)
+        self.endpoint_gated(name, None, Fault::None, Some(gate.clone()), tune)
+    }
+
+    /// An endpoint whose transport agent (named `name`, as its engine) calls itself `claimed`
+    /// when given: the name its Hello declares and its DONEs are signed as, while its metadata
+    /// stays its own (a second process reusing another's agent name).
+    fn endpoint_as(
+        &self,
+        name: &str,
+        claimed: Option<&str>,
+        fault: Fault,
+        tune: impl FnOnce(&mut EndpointConfig),
+    ) -> Endpoint {
+        self.endpoint_gated(name, claimed, fault, None, tune)
     }
 
     fn endpoint_gated(
         &self,
         name: &str,
+        claimed: Option<&str>,
         fault: Fault,
         gate: Option<Gate>,
         tune: impl FnOnce(&mut EndpointConfig),
     ) -> Endpoint {
         let inner = LoopbackTransport::new(name).unwrap().with_polls_until_done(2);
-        let mut transport = Faulty { inner, fault, stuck: Vec::new(), slow: Vec::new(), gate };
+        let claimed = claimed.map(str::to_owned);
+        let mut transport =
+            Faulty { inner, fault, stuck: Vec::new(), slow: Vec::new(), gate, claimed };
         let region = MemoryRegion {
             addr: self.memory.as_ptr() as u64,
             len: self.memory.len() as u64,
@@ -108,7 +129,7 @@ impl Cache {
         // SAFETY: each test drops its endpoints before its caches.
         unsafe { transport.register_memory(&[region]).unwrap() };
         let mut config = EndpointConfig::new(name, self.layout());
-        config.secret = Some(b"endpoint-test-shared-secret".to_vec());
+        config.secret = Some(SECRET.to_vec());
         config.heartbeat_interval = Duration::from_millis(100);
         config.peer_timeout = Duration::from_millis(1_000);
         tune(&mut config);
@@ -138,6 +159,8 @@ struct Faulty {
     slow: Vec<(WriteId, Instant)>,
     /// Holds every `take_notifications` until it opens: a writer stuck in a transport call.
     gate: Option<Gate>,
+    /// The agent name the transport gives instead of its own (its metadata stays its own).
+    claimed: Option<String>,
 }
 
 /// A transport call held until the test opens it.
@@ -186,7 +209,7 @@ impl Gate {
 
 impl Transport for Faulty {
     fn name(&self) -> &str {
-        self.inner.name()
+        self.claimed.as_deref().unwrap_or_else(|| self.inner.name())
     }
     unsafe fn register_memory(&mut self, regions: &[MemoryRegion]) -> Result<(), TransportError> {
         // SAFETY: forwarded; the caller's promise covers the inner transport too.
@@ -510,25 +533,53 @@ fn a_panicking_writer_fails_everything_and_refuses_new_work() {
 }
 
 #[test]
-fn a_duplicate_registration_leaves_the_transfer_to_complete() {
+fn a_duplicate_registration_is_ignored_even_over_the_hosts_quota() {
+    // D's host may hold one registration on P, and holds it. The same registration arrives again
+    // (a retransmission, here over a second connection of the same D process): it must be
+    // counted and ignored, not refused: a FAIL for its epoch would end the transfer on D while
+    // P still writes it.
     let p_cache = Cache::new(16, |i| (i % 13) as u8 + 1);
     let d_cache = Cache::new(16, |_| 0);
-    let p = p_cache.endpoint("ep-p6");
+    let p = p_cache.endpoint_with("ep-p6", Fault::None, |c| c.max_registrations_per_host = 1);
     let d = d_cache.endpoint("ep-d6");
-    // The same request, epoch and blocks registered twice (a retry, or a confused D).
-    d.expect(expectation(&p, "req-dup", &[1, 2], 0, 20)).unwrap();
+    let mut e = expectation(&p, "req-dup", &[1, 2], 0, 20);
+    e.transfer_id = Some("xfer-dup".into());
+    d.expect(e).unwrap();
     wait_for_registration(&p);
-    d.expect(expectation(&p, "req-dup", &[1, 2], 0, 20)).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while p.stats().refused_registrations == 0 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert_eq!(p.stats().refused_registrations, 1, "the duplicate reached P");
-    p.ready(ready("req-dup", &[3, 4], 20)).unwrap();
+
+    let replies = Arc::new(Recorder::default());
+    let twin = raw_peer(raw_hello("ep-d6", "ep-d6", d_cache.layout(), 0), replies.clone());
+    let peer = twin.connect(&p.address().to_string()).unwrap();
+    let again = Register {
+        transfer_key: "xfer-dup".into(),
+        request_id: "req-dup".into(),
+        epoch: 1,
+        engine_id: "ep-d6".into(),
+        address: twin.local_addr().to_string(),
+        tp_rank: 0,
+        tp_size: 1,
+        groups: group(0, &[1, 2]),
+        num_tokens: 20,
+        ttl_ms: 30_000,
+        fanout: 1,
+        nonce: 7,
+    };
+    twin.send(peer.id, &Message::Register(again)).unwrap();
+    // P acknowledges a cancel of a transfer it does not know on the same connection, after any
+    // reply to the registration.
+    let unknown =
+        Cancel { transfer_key: "xfer-none".into(), request_id: "req-none".into(), epoch: 1 };
+    twin.send(peer.id, &Message::Cancel(unknown)).unwrap();
+    let replies = replies.wait_for(|m| matches!(m, Message::CancelAck(_)));
+    assert!(!replies.iter().any(|m| matches!(m, Message::Fail(_))), "{replies:?}");
+    assert_eq!(p.stats().refused_registrations, 1, "the duplicate is counted");
+
+    let mut kv = ready("req-p", &[3, 4], 20);
+    kv.transfer_id = Some("xfer-dup".into());
+    p.ready(kv).unwrap();
     let received = events(&d, 1);
     assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
-    // No second event (a spurious FAIL) follows.
-    assert!(d.wait(Duration::from_millis(300)).is_empty());
+    twin.close();
 }
 
 #[test]
@@ -793,4 +844,362 @@ fn poll_does_not_wait_behind_another_threads_wait() {
         assert_eq!(waited.len(), 1, "{waited:?}");
         assert_eq!(reason_of(&waited[0]), Some(Reason::Expired));
     });
+}
+
+/// A side-channel peer played by hand: it records every message it is sent.
+#[derive(Default)]
+struct Recorder {
+    messages: Mutex<Vec<Message>>,
+}
+
+impl Recorder {
+    /// Every message so far, once one for which `found` holds arrived (bounded wait).
+    fn wait_for(&self, found: impl Fn(&Message) -> bool) -> Vec<Message> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let messages = self.messages.lock().unwrap().clone();
+            if messages.iter().any(&found) || Instant::now() > deadline {
+                return messages;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl ControlHandler for Recorder {
+    fn peer_joined(&self, _peer: &PeerInfo) -> Result<(), String> {
+        Ok(())
+    }
+    fn message(&self, _peer: PeerId, message: Message) {
+        self.messages.lock().unwrap().push(message);
+    }
+    fn peer_lost(&self, _peer: PeerId, _reason: &str) {}
+}
+
+/// The Hello of a peer played by hand whose loopback agent is `agent` (a loopback agent's
+/// metadata is its name).
+fn raw_hello(engine_id: &str, agent: &str, layout: KvLayout, write_horizon_ms: u64) -> Hello {
+    Hello {
+        engine_id: engine_id.into(),
+        tp_rank: 0,
+        tp_size: 1,
+        pp_rank: 0,
+        pp_size: 1,
+        agent_name: agent.into(),
+        agent_metadata: agent.as_bytes().to_vec(),
+        layout,
+        compatibility: String::new(),
+        versions: vec![PROTOCOL_VERSION],
+        memory: MemorySpace::DRAM,
+        nonce: 0,
+        echo: 0,
+        write_horizon_ms,
+        delivery_bound_ms: 0,
+    }
+}
+
+fn raw_peer(hello: Hello, handler: Arc<Recorder>) -> SideChannel {
+    let mut config =
+        SideChannelConfig::new("127.0.0.1:0".parse().unwrap(), hello.engine_id.clone());
+    config.secret = Some(Secret::from_bytes(SECRET).unwrap());
+    config.heartbeat_interval = Duration::from_millis(100);
+    config.peer_timeout = Duration::from_millis(1_000);
+    SideChannel::start(config, hello, handler).unwrap()
+}
+
+/// D's whole cache is untouched but for `written` (every region's blocks of D, from P's blocks),
+/// which hold P's KV token by token.
+fn assert_only_written(d: &Cache, p: &Cache, written: &[(&[u32], &[u32])], tokens: u64) {
+    let mut expected = vec![0u8; d.memory.len()];
+    for (d_blocks, p_blocks) in written {
+        for region in 0..REGIONS {
+            for token in 0..tokens {
+                let src = p.offset(region, p_blocks, 0, token);
+                let dst = d.offset(region, d_blocks, 0, token);
+                let n = TOKEN_BYTES as usize;
+                expected[dst..dst + n].copy_from_slice(&p.memory[src..src + n]);
+            }
+        }
+    }
+    let wrong = d.memory.iter().zip(&expected).filter(|(a, b)| a != b).count();
+    assert_eq!(wrong, 0, "{wrong} bytes of D differ from P's KV in the blocks written alone");
+}
+
+#[test]
+fn an_agent_name_another_process_holds_is_refused_at_the_handshake() {
+    // A second D process declares the agent name of the first one (its metadata is its own).
+    // P must refuse it at the handshake, naming the collision: sharing the first D's agent by
+    // name would write the second D's transfers into the first D's memory.
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let victim_cache = Cache::new(16, |_| 0);
+    let impostor_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-p12");
+    let victim = victim_cache.endpoint("ep-victim");
+    let impostor =
+        impostor_cache.endpoint_as("ep-impostor", Some("ep-victim"), Fault::None, |_| {});
+    victim.expect(expectation(&p, "req-victim", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    let mut theirs = expectation(&p, "req-impostor", &[3, 4], 0, 20);
+    theirs.transfer_id = Some("xfer-impostor".into());
+    impostor.expect(theirs).unwrap();
+    let refused = events(&impostor, 1);
+    assert!(
+        matches!(&refused[..], [Event { outcome: Outcome::Failed(reason), .. }]
+            if reason.contains("\"ep-victim\"") && reason.contains("another agent")),
+        "{refused:?}"
+    );
+    assert_eq!(reason_of(&refused[0]), Some(Reason::Unreachable));
+
+    p.ready(ready("req-victim", &[5, 6], 20)).unwrap();
+    let mut kv = ready("req-p-impostor", &[7, 8], 20);
+    kv.transfer_id = Some("xfer-impostor".into());
+    p.ready(kv).unwrap();
+    let received = events(&victim, 1);
+    assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+    drop((p, victim, impostor));
+    assert_only_written(&victim_cache, &p_cache, &[(&[1, 2], &[5, 6])], 20);
+    assert!(impostor_cache.memory.iter().all(|&b| b == 0), "the impostor received KV");
+}
+
+#[test]
+fn a_done_counts_only_from_its_registrations_agent_signed_as_it_with_its_nonce() {
+    let d_cache = Cache::new(16, |_| 0);
+    let d = d_cache.endpoint("ep-d13");
+    // P played by hand: a side channel, and a loopback agent that sends DONEs as notifications.
+    let mut agent = LoopbackTransport::new("fake-p-agent").unwrap();
+    let mut other = LoopbackTransport::new("fake-other-agent").unwrap();
+    let messages = Arc::new(Recorder::default());
+    let fake =
+        raw_peer(raw_hello("fake-p", "fake-p-agent", d_cache.layout(), 1_000), messages.clone());
+    let mut e = expectation(&d, "req-forged", &[1, 2], 0, 20);
+    e.sources = vec![fake.local_addr().to_string()];
+    d.expect(e).unwrap();
+    let registered = messages.wait_for(|m| matches!(m, Message::Register(_)));
+    let Some(Message::Register(register)) = registered.into_iter().next() else {
+        panic!("D did not register with P")
+    };
+    assert_ne!(register.nonce, 0, "D picks a nonce for each registration");
+    agent.add_peer(b"ep-d13").unwrap();
+    other.add_peer(b"ep-d13").unwrap();
+    let done = |nonce| {
+        Message::Done(Done {
+            transfer_key: register.transfer_key.clone(),
+            request_id: register.request_id.clone(),
+            epoch: register.epoch,
+            tp_rank: 0,
+            tp_size: 1,
+            bytes: 1,
+            runs: 1,
+            nonce,
+        })
+    };
+    let signed_as = |sender: &str, message: &Message| {
+        let secret = Secret::from_bytes(SECRET).unwrap();
+        Encoder::new(sender, Some(secret)).encode(message, unix_millis())
+    };
+    // From P's agent but signed as another sender; from P's agent without the registration's
+    // nonce; from another agent (signed as itself).
+    agent.send_notification("ep-d13", &signed_as("someone-else", &done(register.nonce))).unwrap();
+    agent
+        .send_notification("ep-d13", &signed_as("fake-p-agent", &done(register.nonce ^ 1)))
+        .unwrap();
+    other
+        .send_notification("ep-d13", &signed_as("fake-other-agent", &done(register.nonce)))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while d.stats().stray_notifications < 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(d.stats().stray_notifications, 3, "every forged DONE is a stray");
+    assert!(d.poll().is_empty(), "a forged DONE ended the receive");
+
+    agent.send_notification("ep-d13", &signed_as("fake-p-agent", &done(register.nonce))).unwrap();
+    let received = events(&d, 1);
+    assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+    assert_eq!(d.stats().stray_notifications, 3);
+    fake.close();
+}
+
+#[test]
+fn without_a_secret_d_connects_only_to_loopback_unless_the_operator_opts_out() {
+    let p_cache = Cache::new(16, |i| (i % 7) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let open = |c: &mut EndpointConfig| {
+        c.secret = None;
+        c.connect_timeout = Duration::from_millis(300);
+    };
+    let d = d_cache.endpoint_with("ep-d14", Fault::None, open);
+    let mut far = expectation(&d, "req-far", &[1], 0, 10);
+    far.sources = vec!["192.0.2.1:5600".into()]; // TEST-NET-1: never a loopback address
+    d.expect(far.clone()).unwrap();
+    let refused = events(&d, 1);
+    assert!(
+        matches!(&refused[..], [Event { outcome: Outcome::Failed(reason), .. }]
+            if reason.contains("192.0.2.1") && reason.contains("without a shared secret")
+                && reason.contains("KVPUSH_SECRET") && reason.contains("KVPUSH_INSECURE")),
+        "{refused:?}"
+    );
+    assert_eq!(reason_of(&refused[0]), Some(Reason::Unreachable));
+
+    // The operator's opt-out lets D try (and here fail to reach it, for what the network says).
+    let opted = d_cache.endpoint_with("ep-d15", Fault::None, |c| {
+        open(c);
+        c.allow_insecure = true;
+    });
+    opted.expect(far).unwrap();
+    let tried = events(&opted, 1);
+    assert!(
+        matches!(&tried[..], [Event { outcome: Outcome::Failed(reason), .. }]
+            if reason.contains("cannot connect") && !reason.contains("without a shared secret")),
+        "{tried:?}"
+    );
+
+    // Loopback needs no secret.
+    let p = p_cache.endpoint_with("ep-p14", Fault::None, open);
+    d.expect(expectation(&p, "req-near", &[2, 3], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    p.ready(ready("req-near", &[4, 5], 20)).unwrap();
+    let received = events(&d, 1);
+    assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+}
+
+#[test]
+fn a_re_expect_cancels_the_old_registration_and_reports_it_before_the_new_receive() {
+    // D re-expects a request at a higher epoch, from another P. The old P must hear a CANCEL:
+    // D hands the old blocks back with the old receive's event, and a registration the old P
+    // kept would let its KV land in them later.
+    let old_cache = Cache::new(16, |_| 0xAA);
+    let new_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let old_p = old_cache.endpoint("ep-p-old");
+    let new_p = new_cache.endpoint("ep-p-new");
+    let d = d_cache.endpoint("ep-d16");
+    d.expect(expectation(&old_p, "req-again", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&old_p);
+    let mut again = expectation(&new_p, "req-again", &[5, 6], 0, 20);
+    again.epoch = 2;
+    d.expect(again).unwrap();
+    wait_for_registration(&new_p);
+
+    let old = events(&d, 1);
+    assert!(
+        matches!(&old[..], [Event { outcome: Outcome::Cancelled(reason), request_id, .. }]
+            if reason.contains("superseded") && request_id == "req-again"),
+        "{old:?}"
+    );
+    assert_eq!(reason_of(&old[0]), Some(Reason::Cancelled));
+    assert_eq!(old_p.pending(), 0, "the old P still holds the old registration");
+    assert!(old_p.ready(ready("req-again", &[1, 2], 20)).is_err(), "the old P may still write");
+
+    new_p.ready(ready("req-again", &[3, 4], 20)).unwrap();
+    let new = events(&d, 1);
+    assert!(matches!(&new[..], [Event { outcome: Outcome::Done, .. }]), "{new:?}");
+    assert!(d.wait(Duration::from_millis(200)).is_empty(), "one event per receive");
+    drop((old_p, new_p, d));
+    assert_only_written(&d_cache, &new_cache, &[(&[5, 6], &[3, 4])], 20);
+}
+
+#[test]
+fn a_re_expect_on_the_same_p_reports_the_old_receive_once_its_write_is_over() {
+    // The old epoch's WRITE is in flight when D re-expects on the same P: P holds the new
+    // registration until that WRITE is over, acknowledges the old epoch's CANCEL then, and
+    // writes the new blocks. D reports the old receive, then the new one.
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint_with("ep-p17", Fault::SlowWrites(Duration::from_secs(2)), |_| {});
+    let d = d_cache.endpoint("ep-d17");
+    d.expect(expectation(&p, "req-retry", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    p.ready(ready("req-retry", &[3, 4], 20)).unwrap();
+    std::thread::sleep(Duration::from_millis(100)); // the old epoch's WRITE is posted
+    let mut again = expectation(&p, "req-retry", &[5, 6], 0, 20);
+    again.epoch = 2;
+    d.expect(again).unwrap();
+
+    let received = events(&d, 2);
+    assert!(
+        matches!(&received[..], [
+            Event { outcome: Outcome::Cancelled(reason), .. },
+            Event { outcome: Outcome::Done, .. },
+        ] if reason.contains("superseded")),
+        "{received:?}"
+    );
+    let sent = events(&p, 1);
+    assert!(matches!(&sent[..], [Event { outcome: Outcome::Done, .. }]), "{sent:?}");
+    drop((p, d));
+    assert_only_written(&d_cache, &p_cache, &[(&[1, 2], &[3, 4]), (&[5, 6], &[3, 4])], 20);
+}
+
+#[test]
+fn a_re_expect_at_the_same_epoch_is_refused_unless_it_repeats_the_call() {
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-p18");
+    let d = d_cache.endpoint("ep-d18");
+    d.expect(expectation(&p, "req-twice", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    // The same call again is a duplicate: no event of its own, the receive goes on.
+    d.expect(expectation(&p, "req-twice", &[1, 2], 0, 20)).unwrap();
+    // Other blocks at the same epoch: refused, with its own event.
+    d.expect(expectation(&p, "req-twice", &[7, 8], 0, 20)).unwrap();
+    let refused = events(&d, 1);
+    assert!(
+        matches!(&refused[..], [Event { outcome: Outcome::Failed(reason), .. }]
+            if reason.contains("higher epoch")),
+        "{refused:?}"
+    );
+    assert_eq!(reason_of(&refused[0]), Some(Reason::Refused));
+    p.ready(ready("req-twice", &[3, 4], 20)).unwrap();
+    let received = events(&d, 1);
+    assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+    assert!(d.wait(Duration::from_millis(200)).is_empty(), "one event per receive");
+    drop((p, d));
+    assert_only_written(&d_cache, &p_cache, &[(&[1, 2], &[3, 4])], 20);
+}
+
+#[test]
+fn a_re_expects_receive_is_reported_after_the_one_it_superseded() {
+    // The old P's WRITE is in flight, so its CANCEL is acknowledged only when that WRITE is
+    // over; the new P delivers first. D still reports the old receive first: the engine sees
+    // the two receives end in the order it asked for them.
+    let old_cache = Cache::new(16, |_| 0xAA);
+    let new_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let slow = Fault::SlowWrites(Duration::from_secs(2));
+    let old_p = old_cache.endpoint_with("ep-p-slow-old", slow, |_| {});
+    let new_p = new_cache.endpoint("ep-p-fast-new");
+    let d = d_cache.endpoint("ep-d19");
+    d.expect(expectation(&old_p, "req-order", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&old_p);
+    old_p.ready(ready("req-order", &[3, 4], 20)).unwrap();
+    std::thread::sleep(Duration::from_millis(100)); // the old epoch's WRITE is posted
+    let mut again = expectation(&new_p, "req-order", &[5, 6], 0, 20);
+    again.epoch = 2;
+    d.expect(again).unwrap();
+    wait_for_registration(&new_p);
+    new_p.ready(ready("req-order", &[7, 8], 20)).unwrap();
+    let delivered = events(&new_p, 1);
+    assert!(matches!(&delivered[..], [Event { outcome: Outcome::Done, .. }]), "{delivered:?}");
+
+    let received = events(&d, 2);
+    assert!(
+        matches!(&received[..], [
+            Event { outcome: Outcome::Cancelled(reason), .. },
+            Event { outcome: Outcome::Done, .. },
+        ] if reason.contains("superseded")),
+        "{received:?}"
+    );
+    drop((old_p, new_p, d));
+    for (d_blocks, p_cache, p_blocks) in
+        [(&[1u32, 2][..], &old_cache, &[3u32, 4][..]), (&[5, 6], &new_cache, &[7, 8])]
+    {
+        for region in 0..REGIONS {
+            for token in 0..20 {
+                let src = p_cache.offset(region, p_blocks, 0, token);
+                let dst = d_cache.offset(region, d_blocks, 0, token);
+                let n = TOKEN_BYTES as usize;
+                assert_eq!(d_cache.memory[dst..dst + n], p_cache.memory[src..src + n]);
+            }
+        }
+    }
 }

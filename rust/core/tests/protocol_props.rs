@@ -106,7 +106,7 @@ fn message() -> impl Strategy<Value = Message> {
         rank(),
         proptest::collection::vec(group, 0..4),
         any::<u64>(),
-        any::<u64>(),
+        (any::<u64>(), any::<u64>()),
     )
         .prop_map(
             |(
@@ -114,7 +114,7 @@ fn message() -> impl Strategy<Value = Message> {
                 (tp_rank, tp_size),
                 groups,
                 num_tokens,
-                ttl_ms,
+                (ttl_ms, nonce),
             )| {
                 Message::Register(Register {
                     transfer_key,
@@ -128,14 +128,23 @@ fn message() -> impl Strategy<Value = Message> {
                     num_tokens,
                     ttl_ms,
                     fanout: 1,
+                    nonce,
                 })
             },
         );
-    let done = (id(), id(), any::<u64>(), rank(), any::<u64>(), any::<u32>()).prop_map(
-        |(transfer_key, request_id, epoch, (tp_rank, tp_size), bytes, runs)| {
-            Message::Done(Done { transfer_key, request_id, epoch, tp_rank, tp_size, bytes, runs })
-        },
-    );
+    let done = (id(), id(), any::<u64>(), rank(), (any::<u64>(), any::<u64>()), any::<u32>())
+        .prop_map(|(transfer_key, request_id, epoch, (tp_rank, tp_size), (bytes, nonce), runs)| {
+            Message::Done(Done {
+                transfer_key,
+                request_id,
+                epoch,
+                tp_rank,
+                tp_size,
+                bytes,
+                runs,
+                nonce,
+            })
+        });
     let fail = (id(), id(), any::<u64>(), fail_reason(), text()).prop_map(
         |(transfer_key, request_id, epoch, reason, detail)| {
             Message::Fail(Fail { transfer_key, request_id, epoch, reason, detail })

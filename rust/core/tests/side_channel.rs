@@ -209,6 +209,7 @@ fn register(n: u64) -> Message {
         num_tokens: 48,
         ttl_ms: 30_000,
         fanout: 1,
+        nonce: 0,
     })
 }
 
@@ -591,6 +592,7 @@ fn oversized_and_garbage_frames_are_refused_counted_and_survived() {
         tp_size: 1,
         bytes: 1,
         runs: 1,
+        nonce: 0,
     }));
     raw.send(&Message::Hello(hello("raw-peer")));
     for _ in 0..3 {
@@ -939,6 +941,33 @@ fn a_routable_address_without_a_secret_refuses_to_start_unless_allowed() {
     assert!(SideChannel::start(signed, hello("prefill-0"), Arc::new(Recorder::default())).is_ok());
     open.allow_insecure = true;
     assert!(SideChannel::start(open, hello("prefill-0"), Arc::new(Recorder::default())).is_ok());
+}
+
+#[test]
+fn without_a_secret_a_channel_connects_only_to_loopback_unless_allowed() {
+    let mut open = config("decode-0");
+    open.connect_timeout = Duration::from_millis(300);
+    let (decode, _) = start(open.clone());
+    // TEST-NET-1: documentation addresses, never loopback.
+    let refused = decode.connect("192.0.2.1:5600").expect_err("connected without a secret");
+    assert!(
+        matches!(&refused, SideChannelError::Insecure { addr, ip }
+            if addr == "192.0.2.1:5600" && ip.to_string() == "192.0.2.1"),
+        "{refused:?}"
+    );
+    assert!(refused.to_string().contains("KVPUSH_INSECURE"), "{refused}");
+    // Loopback needs no secret.
+    let (prefill, _) = start(config("prefill-0"));
+    decode.connect(&prefill.local_addr().to_string()).expect("a loopback peer");
+    // With a secret, or the operator's opt-out, the channel tries the address itself.
+    let mut signed = open.clone();
+    signed.secret = Some(secret(1));
+    open.allow_insecure = true;
+    for config in [signed, open] {
+        let (channel, _) = start(config);
+        let tried = channel.connect("192.0.2.1:5600").expect_err("nothing listens there");
+        assert!(matches!(tried, SideChannelError::Connect { .. }), "{tried:?}");
+    }
 }
 
 #[test]

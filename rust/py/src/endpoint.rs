@@ -340,7 +340,11 @@ impl Endpoint {
     /// D: register `blocks` with the P at `source` (a `host:port`, or a list of them: every P
     /// rank that holds some of this rank's heads) and await the KV: one DONE from each.
     /// `share = (slot, of)`: P's one rank writes this transfer into `of` D ranks, this being
-    /// slot `slot` of them (D runs the larger tensor parallel size).
+    /// slot `slot` of them (D runs the larger tensor parallel size). A request id still awaited
+    /// may be expected again only at a higher `epoch`: the awaited receive is cancelled with P
+    /// and its own ("cancelled") event comes before the new one's. The same call again is
+    /// ignored (the awaited receive's event answers both); another expectation at the same or a
+    /// lower epoch is refused with its own ("refused") event.
     #[pyo3(signature = (
         request_id, source, blocks, num_tokens, *, transfer_id = None, first_tokens = None,
         epoch = 1, ttl = 30.0, share = None

@@ -81,6 +81,8 @@ pub(super) struct Leg {
     /// and after its last proof of life (its write horizon), from its Hello.
     pub(super) delivery_bound: Duration,
     pub(super) horizon: Duration,
+    /// The nonce of the registration: a DONE that does not echo it is not this leg's.
+    pub(super) nonce: u64,
     pub(super) state: LegState,
 }
 
@@ -128,6 +130,7 @@ impl Awaited {
                 agent: None,
                 delivery_bound: Duration::ZERO,
                 horizon: Duration::ZERO,
+                nonce: 0,
                 state: LegState::Connecting,
             })
             .collect();

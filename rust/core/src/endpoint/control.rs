@@ -5,10 +5,15 @@
 //! never queues behind the writer; only a match (or a reply to send) is handed to the writer.
 //!
 //! Every registration belongs to the authenticated peer that made it (its [`Owner`]: D's engine
-//! id and process-unique agent name): no other peer can supersede or cancel it. The peers of one
-//! host hold at most a [`Quota`] of registrations at once between them, in entries and in bytes,
-//! counted by the [`Slot`] each registration carries, so that no host (however many connections
-//! or engine ids it opens) can fill the table, or P's memory, that every other D shares.
+//! id and process-unique agent name): no other peer can supersede or cancel it. A peer whose
+//! agent name already stands for another agent here (other metadata: another process) is
+//! refused at the handshake (see `agents`), so that no two processes share an owner or an agent.
+//! The peers of one host hold at most a [`Quota`] of registrations at once between them, in
+//! entries and in bytes, counted by the [`Slot`] each registration carries, so that no host
+//! (however many connections or engine ids it opens) can fill the table, or P's memory, that
+//! every other D shares. A registration the table already holds for its owner (same key and
+//! epoch) is a duplicate: counted and ignored before the quota, the overload or any other
+//! refusal, since a FAIL for that epoch would end it on D while P may write it.
 //!
 //! A reader thread waits at most `ROOM_WAIT` for room in the writer's inbox (see `inbox`); a
 //! registration that finds none is refused (`fail(refused)`, P is overloaded), and a peer's
@@ -33,6 +38,7 @@ use crate::side_channel::{ControlHandler, PeerId, PeerInfo};
 use crate::sync::lock;
 use crate::transport::{MemoryKind, MemorySpace};
 
+use super::agents;
 use super::fanout::{self, FanOut};
 use super::send::Registration;
 use super::writer::Command;
@@ -134,6 +140,8 @@ struct PeerEntry {
     host: IpAddr,
     /// Registrations held now by every peer of this one's host.
     held: Arc<Held>,
+    /// The agent name this connection claimed (see `agents`), released when it is lost.
+    agent: String,
 }
 
 #[derive(Debug)]
@@ -201,6 +209,14 @@ impl Control {
         // Messages come only from joined peers, so the entry is there unless the peer was lost
         // meanwhile; then its registration has nobody to be written to.
         let Some(entry) = lock(&self.peers).get(&peer).cloned() else { return };
+        let key = TransferKey::from_canonical(&register.transfer_key);
+        // The same registration again (a retransmission, or a confused D) while the table holds
+        // it: it stands, and is counted. Checked before any refusal below, since a FAIL for this
+        // epoch would end it on D while P may still write it.
+        if self.shared.table.holds(&key, register.epoch, entry.owner) {
+            Counters::add(&self.shared.counters.refused_registrations);
+            return;
+        }
         let slot = match self.admit(&entry, &register) {
             Ok(slot) => slot,
             Err(detail) => {
@@ -209,7 +225,6 @@ impl Control {
             }
         };
         let now = Instant::now();
-        let key = TransferKey::from_canonical(&register.transfer_key);
         if register.fanout > 1 {
             if let Err((reason, detail)) = self.join_fanout(&key, register.fanout, now) {
                 self.refuse(peer, &register, reason, detail);
@@ -229,8 +244,8 @@ impl Control {
             }
             // A superseded registration needs no reply: D replaced it itself.
             Ok(Arrival::Waiting { .. }) => {}
-            // The same registration again (a retransmission, or a confused D): the one the table
-            // holds stands, and a FAIL for this epoch would end it on D.
+            // The same registration again, arrived while the check above was passed by its
+            // twin: the one the table holds stands, and a FAIL for this epoch would end it on D.
             Err(RendezvousError::StaleEpoch { current, .. }) if current == epoch => {
                 Counters::add(&self.shared.counters.refused_registrations);
             }
@@ -417,14 +432,19 @@ impl ControlHandler for Control {
                 full.queued, full.capacity
             ));
         }
+        // Last: a claim is released only by this peer's loss, which follows an `Ok` alone.
+        let digest = agents::digest(&hello.agent_metadata);
+        self.shared.agents.claim(&hello.engine_id, &hello.agent_name, digest)?;
         let host = peer.addr.ip();
         let held = Arc::clone(lock(&self.hosts).entry(host).or_default());
-        let entry = PeerEntry { owner: owner_of(hello), host, held };
+        let agent = hello.agent_name.clone();
+        let entry = PeerEntry { owner: owner_of(hello), host, held, agent };
         lock(&self.peers).insert(peer.id, entry);
         if self.shared.send(Command::PeerJoined(peer.clone())) {
             Ok(())
         } else {
             lock(&self.peers).remove(&peer.id);
+            self.shared.agents.release(&hello.agent_name);
             Err("this worker is shutting down".to_owned())
         }
     }
@@ -448,7 +468,9 @@ impl ControlHandler for Control {
 
     fn peer_lost(&self, peer: PeerId, reason: &str) {
         let at = Instant::now();
-        lock(&self.peers).remove(&peer);
+        if let Some(entry) = lock(&self.peers).remove(&peer) {
+            self.shared.agents.release(&entry.agent);
+        }
         self.shared.send(Command::PeerLost { peer, reason: reason.to_owned(), at });
     }
 
@@ -478,6 +500,7 @@ mod tests {
             num_tokens: 16,
             ttl_ms: 1_000,
             fanout: 1,
+            nonce: 0,
         }
     }
 

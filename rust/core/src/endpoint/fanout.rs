@@ -136,7 +136,7 @@ pub(crate) fn release(
 ) {
     let mut groups = lock(&shared.fanouts);
     let Some(group) = groups.get(base) else { return };
-    if group.is_placed() || (0..group.slots).any(|slot| shared.table.holds(&base.slot(slot))) {
+    if group.is_placed() || (0..group.slots).any(|slot| shared.table.is_live(&base.slot(slot))) {
         return;
     }
     groups.remove(base);

@@ -34,8 +34,11 @@
 //!   ([`EndpointError::Busy`]) rather than queued without bound behind a writer that is behind.
 //! - `fanout` (P) and `awaited` (D): one request's state when P and D run different tensor
 //!   parallel sizes (one P rank written into several D ranks; one D rank fed by several P ranks).
+//! - `agents`: which agent a peer's agent name stands for (name and metadata digest), so that
+//!   a second process reusing a name is refused instead of written into the first one's memory.
 //! - `events`: what the endpoint reports.
 
+mod agents;
 mod awaited;
 mod connector;
 mod control;
@@ -44,6 +47,8 @@ mod fanout;
 mod inbox;
 mod receive;
 mod send;
+#[cfg(test)]
+mod tests;
 mod writer;
 
 use std::net::SocketAddr;
@@ -112,7 +117,9 @@ pub struct EndpointConfig {
     /// `kvpush_nixl::delivery_bound()`, which reads UCX's environment (as Python's `Endpoint`
     /// does).
     pub delivery_bound: Duration,
-    /// Listen beyond loopback without a secret (see `SideChannelConfig::allow_insecure`).
+    /// Listen beyond loopback, and connect to P workers beyond it, without a secret (see
+    /// `SideChannelConfig::allow_insecure`). Without it and without a secret, an expectation
+    /// naming a P that is not on loopback fails at once, naming the host.
     pub allow_insecure: bool,
     /// Most registrations the D peers of one host may hold in P's table at once (a quarter of
     /// the table by default: 16,384).
@@ -317,8 +324,9 @@ pub struct Counters {
     pub refused_frames: AtomicU64,
     /// Transport calls that failed outside any one write (e.g. receiving notifications).
     pub transport_errors: AtomicU64,
-    /// DONEs for requests D no longer awaits (cancelled, failed or re-registered), or from an
-    /// agent D did not register with.
+    /// DONEs for requests D no longer awaits (cancelled, failed or re-registered), from an agent
+    /// D did not register with, signed as another sender than the agent that sent them, or not
+    /// echoing their registration's nonce.
     pub stray_notifications: AtomicU64,
     /// Registrations refused: another peer's key, over the peer's quota, or a duplicate.
     pub refused_registrations: AtomicU64,
@@ -393,9 +401,28 @@ pub(crate) struct Shared {
     pub(crate) others_beat_ms: AtomicU64,
     /// See [`WRITER_STALL`]: the stall threshold of this endpoint.
     pub(crate) stall_after: Duration,
+    /// The peer agent names in use and the metadata each stands for (see `agents`).
+    pub(crate) agents: agents::Agents,
 }
 
 impl Shared {
+    /// The state of a new endpoint whose writer reads the other end of `inbox`.
+    pub(crate) fn new(config: &EndpointConfig, inbox: inbox::Inbox) -> Self {
+        let now = BootInstant::now().as_millis();
+        Self {
+            table: RendezvousTable::new(config.table.clone()),
+            fanouts: Mutex::new(fanout::FanOuts::new()),
+            inbox,
+            origin: Instant::now(),
+            counters: Counters::default(),
+            dead: OnceLock::new(),
+            writer_beat_ms: AtomicU64::new(now),
+            others_beat_ms: AtomicU64::new(now),
+            stall_after: WRITER_STALL.max(config.peer_timeout),
+            agents: agents::Agents::default(),
+        }
+    }
+
     /// Hands `command` to the writer; false once the writer has stopped. New and ending work
     /// is admitted first ([`inbox::Inbox::admit`]).
     pub(crate) fn send(&self, command: Command) -> bool {
@@ -511,17 +538,7 @@ impl Endpoint {
         }
         let (inbox, commands) = inbox::inbox(config.inbox_capacity);
         let (event_sink, events) = mpsc::channel();
-        let shared = Arc::new(Shared {
-            table: RendezvousTable::new(config.table.clone()),
-            fanouts: Mutex::new(fanout::FanOuts::new()),
-            inbox,
-            origin: Instant::now(),
-            counters: Counters::default(),
-            dead: OnceLock::new(),
-            writer_beat_ms: AtomicU64::new(BootInstant::now().as_millis()),
-            others_beat_ms: AtomicU64::new(BootInstant::now().as_millis()),
-            stall_after: WRITER_STALL.max(config.peer_timeout),
-        });
+        let shared = Arc::new(Shared::new(&config, inbox));
         let vram_refusal =
             transport.can_write_into(MemorySpace { kind: MemoryKind::Vram, device: 0 }).err();
         let control = Arc::new(Control::new(
@@ -886,9 +903,15 @@ fn check_ttl(request_id: &str, ttl: Duration) -> Result<(), EndpointError> {
     Ok(())
 }
 
-/// An expectation names at least one P rank, each once (a rank's DONE counts once).
+/// An expectation names at least one P rank, each once (a rank's DONE counts once), for a
+/// request id without a NUL (the receive path keys a superseded receive with one).
 fn check_sources(expectation: &Expectation) -> Result<(), EndpointError> {
     let request_id = &expectation.request_id;
+    if request_id.contains('\0') {
+        return Err(EndpointError::Invalid(format!(
+            "request id {request_id:?} holds a NUL character; request ids are text"
+        )));
+    }
     if expectation.sources.is_empty() {
         return Err(EndpointError::Invalid(format!(
             "request {request_id}: no P address to receive from"
@@ -956,7 +979,7 @@ impl Drop for Endpoint {
 }
 
 #[cfg(test)]
-mod tests {
+mod watchdog_tests {
     use super::*;
 
     const STALL: Duration = Duration::from_secs(10);

@@ -3,17 +3,42 @@
 //! For each P rank an expectation names (a *leg*, see [`awaited`](super::awaited)), the writer
 //! connects to that P if it has no connection yet (on a connect thread of its own, since
 //! connecting blocks: see `connector`), checks that the P rank holds the heads this rank
-//! expects from it, and sends the
-//! REGISTER that puts D's blocks in P's table. It then counts the DONE notifications the
-//! transport delivers (each only from the agent the leg registered with, for the current epoch)
-//! and acts on P's FAILs and CANCEL_ACKs. A cancel, a TTL that passed or a leg's failure sends
-//! CANCELs to the legs that may still be written; a P that does not acknowledge within its
-//! write horizon is disconnected. A lost P's legs end only on evidence that none of its bytes
-//! can land any more (the fence: see `awaited` and `writer`): the writer reconnects to that P
-//! and asks again (a CANCEL, which P acknowledges once its transport finished with the
-//! transfer), or finds its endpoint gone. Until then the receive holds its blocks, and once P's
-//! horizon passed without evidence it is reported *quarantined* (a notice, once). The receive
-//! is reported once, when its last leg is over.
+//! expects from it, and sends the REGISTER that puts D's blocks in P's table, with a fresh
+//! random nonce. It then counts the DONE notifications the transport delivers and acts on P's
+//! FAILs and CANCEL_ACKs. A cancel, a TTL that passed or a leg's failure sends CANCELs to the
+//! legs that may still be written; a P that does not acknowledge within its write horizon is
+//! disconnected. A lost P's legs end only on evidence that none of its bytes can land any more
+//! (the fence: see `awaited` and `writer`): the writer reconnects to that P and asks again (a
+//! CANCEL, which P acknowledges once its transport finished with the transfer), or finds its
+//! endpoint gone. Until then the receive holds its blocks, and once P's horizon passed without
+//! evidence it is reported *quarantined* (a notice, once). The receive is reported once, when
+//! its last leg is over.
+//!
+//! A DONE ends a leg only when the agent the transport says sent it, the sender its envelope is
+//! signed as and the agent the leg registered with are one and the same, and it names the leg's
+//! key and epoch and echoes the nonce of the leg's registration: anything else is counted as a
+//! stray and changes nothing.
+//!
+//! Without a secret, D connects out only to loopback addresses unless the operator opted out
+//! (`allow_insecure`): the side channel refuses, and the leg fails at once naming the host (a D
+//! hands the P it connects to its agent metadata, which is write access to its whole KV cache).
+//!
+//! # A re-expect
+//!
+//! An expectation for a request id that is still awaited, at a higher epoch (D re-registers
+//! after a preemption or a retry), supersedes the awaited receive. The new receive's REGISTERs
+//! go out first, so that a P it shares with the old one supersedes the old registration in its
+//! table; then the old receive is cancelled like any other: its registered legs get a CANCEL
+//! for the old epoch, and the old receive waits, under its own key (the request id and its
+//! epoch), until each of them is acknowledged or otherwise over (its DONE, its FAIL, its horizon
+//! after a lost connection), since P may still be writing the old blocks. The old receive ends
+//! in one event (`Cancelled`, unless a leg was quarantined), and the new receive's event is held
+//! until the old one's went out: the engine sees the two in the order it asked for them. The
+//! same expectation again (a retried call) is a duplicate: ignored, and the awaited receive's
+//! event answers both, as P ignores a duplicate registration. Any other re-expect at an epoch
+//! not above the awaited one's is refused with its own event (`Refused`) and leaves the awaited
+//! receive as it is: P would keep writing the blocks of the registration it holds for that
+//! epoch.
 //!
 //! `awaited` holds the per-request state and its rules; this module does the I/O they call for.
 
@@ -23,8 +48,10 @@ use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
 use crate::protocol::{
-    unix_millis, Cancel, Decoder, Done, FailReason, Limits, Message, Register, Secret,
+    fresh_session, unix_millis, Cancel, Decoder, Done, FailReason, Limits, Message, Register,
+    Secret,
 };
+use crate::rendezvous::Epoch;
 use crate::side_channel::{PeerId, PeerInfo};
 use crate::transport::{Notification, Transport};
 
@@ -43,8 +70,12 @@ enum Source {
 
 /// The receive path's state in the writer.
 pub(super) struct Receives {
-    /// The receives awaited, by D's request id.
+    /// The receives awaited, by D's request id; a receive a re-expect superseded, under
+    /// [`superseded_key`] until its legs are over.
     awaited: HashMap<String, Awaited>,
+    /// Superseded receives not yet reported, by request id: the request's current receive is
+    /// reported only after them.
+    superseded: HashMap<String, usize>,
     /// Some awaited receive is not fenced (its DONEs may come any moment): poll busily.
     /// Set by every new expectation, recomputed at each deadline check, so that the poll period
     /// does not scan `awaited` on every turn of the loop.
@@ -85,6 +116,7 @@ impl Receives {
     pub(super) fn new(secret: Option<Secret>, limits: Limits) -> Self {
         Self {
             awaited: HashMap::new(),
+            superseded: HashMap::new(),
             awaits_kv: false,
             sources: HashMap::new(),
             connector: None,
@@ -105,6 +137,12 @@ impl Receives {
     }
 }
 
+/// The key a receive superseded by a re-expect waits under (see the module docs): no request id
+/// holds a NUL (`Endpoint::expect` refuses one), so it is never a request's own key.
+fn superseded_key(request_id: &str, epoch: Epoch) -> String {
+    format!("{request_id}\0{epoch}")
+}
+
 impl<T: Transport> Writer<T> {
     pub(super) fn expect(&mut self, expectation: Expectation, at: Instant) {
         let mut key =
@@ -115,7 +153,30 @@ impl<T: Transport> Writer<T> {
         }
         let request_id = expectation.request_id.clone();
         let sources = expectation.sources.clone();
-        // A re-registration (higher epoch) replaces the old wait; P supersedes the old one.
+        let epoch = expectation.epoch;
+        let awaited = self.receives.awaited.get(&request_id);
+        if awaited.is_some_and(|a| a.expectation == expectation) {
+            // The same call again (a retry): the awaited receive's event answers both.
+            return;
+        }
+        let awaited_at = awaited.map(|a| a.expectation.epoch);
+        if let Some(held) = awaited_at.filter(|&held| held >= epoch) {
+            let detail = format!(
+                "request {request_id} is awaited at epoch {held}; a re-expect must carry a \
+                 higher epoch than that, not {epoch} (the awaited receive goes on)"
+            );
+            self.emit(Event {
+                role: Role::Receive,
+                request_id,
+                key,
+                outcome: Outcome::failed(Reason::Refused, detail),
+                bytes: 0,
+                runs: 0,
+                timeline: Timeline { registered: Some(self.seconds(at)), ..Timeline::default() },
+            });
+            return;
+        }
+        let previous = self.receives.awaited.remove(&request_id);
         self.receives.awaited.insert(request_id.clone(), Awaited::new(expectation, key, at));
         self.receives.awaits_kv = true;
         for (leg, source) in sources.into_iter().enumerate() {
@@ -131,7 +192,41 @@ impl<T: Transport> Writer<T> {
                 }
             }
         }
+        // After the new REGISTERs: on a P both name, the new one supersedes the old one first,
+        // and the CANCEL of the old epoch then only waits for a WRITE of it in flight.
+        if let Some(previous) = previous {
+            self.supersede(previous, epoch);
+        }
         self.settle(&request_id);
+    }
+
+    /// A re-expect at `epoch` replaced `previous`: it is cancelled, and reported under its own
+    /// key once none of its legs can still be written (see the module docs).
+    fn supersede(&mut self, mut previous: Awaited, epoch: Epoch) {
+        let request_id = previous.expectation.request_id.clone();
+        let old = previous.expectation.epoch;
+        let detail = format!(
+            "request {request_id}: the receive at epoch {old} was superseded by a re-expect at \
+             epoch {epoch}"
+        );
+        let stops = previous.cancel(Outcome::cancelled(Reason::Cancelled, detail));
+        let key = superseded_key(&request_id, old);
+        self.receives.awaited.insert(key.clone(), previous);
+        *self.receives.superseded.entry(request_id).or_default() += 1;
+        self.stop_legs(&key, &stops);
+        self.settle(&key);
+    }
+
+    /// The key of `request_id`'s receive at `epoch`: the request's current receive, or one a
+    /// re-expect superseded.
+    fn receive_at(&self, request_id: &str, epoch: Epoch) -> Option<String> {
+        match self.receives.awaited.get(request_id) {
+            Some(current) if current.expectation.epoch == epoch => Some(request_id.to_owned()),
+            _ => {
+                let key = superseded_key(request_id, epoch);
+                self.receives.awaited.contains_key(&key).then_some(key)
+            }
+        }
     }
 
     fn request_connect(&mut self, source: String) {
@@ -148,6 +243,15 @@ impl<T: Transport> Writer<T> {
         if let Some(connector) = &mut self.receives.connector {
             connector.finished(&source);
         }
+        let result = match result {
+            // The connection was lost before its result came here (its `PeerLost` was handled
+            // first): it is not a source to register with, now or later.
+            Ok(info) if !self.peers.contains_key(&info.id) => Err(ConnectFailure {
+                reason: "the connection closed right after its handshake".to_owned(),
+                refused: false,
+            }),
+            result => result,
+        };
         let waiting: Vec<(String, usize)> = self
             .receives
             .awaited
@@ -205,13 +309,13 @@ impl<T: Transport> Writer<T> {
         let Some(agent) = self.peers.get(&peer).map(|p| p.name.clone()) else { return };
         let now = Instant::now();
         let mut asks = Vec::new();
-        for (request_id, awaited) in &mut self.receives.awaited {
+        for awaited in self.receives.awaited.values_mut() {
             for leg in awaited.unsettled(source) {
                 if awaited.legs[leg].agent.as_deref() == Some(agent.as_str()) {
                     awaited.ask(leg, peer);
                     asks.push(Cancel {
                         transfer_key: awaited.key.as_str().to_owned(),
-                        request_id: request_id.clone(),
+                        request_id: awaited.expectation.request_id.clone(),
                         epoch: awaited.expectation.epoch,
                     });
                 } else {
@@ -303,10 +407,13 @@ impl<T: Transport> Writer<T> {
             self.end_leg(request_id, leg, Some(Outcome::failed(Reason::Incompatible, detail)));
             return;
         }
+        // Ties the DONE of this registration, and no other, to this leg.
+        let nonce = fresh_session().max(1);
         awaited.legs[leg].peer = Some(peer);
         awaited.legs[leg].agent = agent;
         awaited.legs[leg].horizon = horizon;
         awaited.legs[leg].delivery_bound = delivery_bound;
+        awaited.legs[leg].nonce = nonce;
         awaited.legs[leg].state = LegState::Registered;
         let e = &awaited.expectation;
         let ttl_ms =
@@ -324,6 +431,7 @@ impl<T: Transport> Writer<T> {
             num_tokens: e.num_tokens,
             ttl_ms,
             fanout: e.share.map_or(1, |share| share.of),
+            nonce,
         };
         if let Err(error) = self.side_channel.send(peer, &Message::Register(register)) {
             // The frame did not go out whole, so P refuses it: nothing can be written.
@@ -413,7 +521,7 @@ impl<T: Transport> Writer<T> {
             }
             let cancel = Cancel {
                 transfer_key: awaited.key.as_str().to_owned(),
-                request_id: request_id.to_owned(),
+                request_id: awaited.expectation.request_id.clone(),
                 epoch: awaited.expectation.epoch,
             };
             self.send(peer, Message::Cancel(cancel));
@@ -426,22 +534,27 @@ impl<T: Transport> Writer<T> {
         self.cancel_receive(request_id, outcome);
     }
 
-    /// Reports `request_id`'s receive if its last leg is over.
-    fn settle(&mut self, request_id: &str) {
-        let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
+    /// Reports the receive under `key` if its last leg is over (and, for a request's current
+    /// receive, once the receives a re-expect superseded were reported).
+    fn settle(&mut self, key: &str) {
+        if self.receives.superseded.contains_key(key) {
+            return;
+        }
+        let Some(awaited) = self.receives.awaited.get_mut(key) else { return };
         if !awaited.is_over() {
             return;
         }
         let outcome = awaited.outcome();
-        self.end_receive(request_id, outcome);
+        self.end_receive(key, outcome);
     }
 
-    fn end_receive(&mut self, request_id: &str, outcome: Outcome) {
-        let Some(awaited) = self.receives.awaited.remove(request_id) else { return };
+    fn end_receive(&mut self, key: &str, outcome: Outcome) {
+        let Some(awaited) = self.receives.awaited.remove(key) else { return };
+        let request_id = awaited.expectation.request_id.clone();
         let completed = Instant::now();
         self.emit(Event {
             role: Role::Receive,
-            request_id: request_id.to_owned(),
+            request_id: request_id.clone(),
             key: awaited.key,
             outcome,
             bytes: awaited.bytes,
@@ -452,6 +565,17 @@ impl<T: Transport> Writer<T> {
                 ..Timeline::default()
             },
         });
+        if key != request_id {
+            // A superseded receive: the request's current one may have been waiting for it.
+            let left = self.receives.superseded.get_mut(&request_id).map(|left| {
+                *left -= 1;
+                *left
+            });
+            if left == Some(0) {
+                self.receives.superseded.remove(&request_id);
+                self.settle(&request_id);
+            }
+        }
     }
 
     /// Takes the transport's notifications (a transport without its own progress thread is
@@ -473,7 +597,7 @@ impl<T: Transport> Writer<T> {
             ) {
                 Ok(envelope) => {
                     if let Message::Done(done) = envelope.message {
-                        self.done(&notification.from, done);
+                        self.done(&notification.from, &envelope.sender, done);
                     }
                 }
                 Err(_) => Counters::add(&self.shared.counters.refused_frames),
@@ -483,38 +607,37 @@ impl<T: Transport> Writer<T> {
         self.receives.received.clear();
     }
 
-    fn done(&mut self, from: &str, done: Done) {
-        // Only the P agent a leg registered with may end it: a DONE from anyone else, for an
-        // ended receive, or for an older epoch (blocks D has since re-registered) is stray.
-        let leg = self
-            .receives
-            .awaited
-            .get(&done.request_id)
-            .filter(|a| a.key.as_str() == done.transfer_key && a.expectation.epoch == done.epoch)
-            .and_then(|a| a.leg_of_agent(from));
-        let (Some(leg), Some(awaited)) = (leg, self.receives.awaited.get_mut(&done.request_id))
-        else {
+    /// A DONE that the transport says agent `from` sent, signed as `sender`.
+    fn done(&mut self, from: &str, sender: &str, done: Done) {
+        // Only the P agent a leg registered with may end it, for that registration: the
+        // transport's sender, the signed sender and the leg's agent agree, and the DONE echoes
+        // the registration's nonce. Anything else (another agent, a name that does not match its
+        // signature, an ended receive, an epoch or registration D has since replaced) is stray.
+        let key = (from == sender).then(|| self.receive_at(&done.request_id, done.epoch));
+        let leg = key.flatten().and_then(|key| {
+            let awaited = self.receives.awaited.get(&key)?;
+            let leg = awaited.leg_of_agent(from)?;
+            let echoed = awaited.legs[leg].nonce == done.nonce;
+            (echoed && awaited.key.as_str() == done.transfer_key).then_some((key, leg))
+        });
+        let Some((key, leg)) = leg else {
             Counters::add(&self.shared.counters.stray_notifications);
             return;
         };
-        awaited.bytes += done.bytes;
-        awaited.runs = awaited.runs.saturating_add(done.runs);
+        if let Some(awaited) = self.receives.awaited.get_mut(&key) {
+            awaited.bytes += done.bytes;
+            awaited.runs = awaited.runs.saturating_add(done.runs);
+        }
         // Whatever D wanted since (a cancel, another rank's failure), this leg's KV is here.
-        self.end_leg(&done.request_id, leg, None);
+        self.end_leg(&key, leg, None);
     }
 
     /// A control message from P for D's receives: a FAIL or a CANCEL_ACK ends its leg.
     pub(super) fn peer_message(&mut self, peer: PeerId, message: Message) {
         match message {
             Message::Fail(fail) => {
-                let Some(awaited) = self
-                    .receives
-                    .awaited
-                    .get(&fail.request_id)
-                    .filter(|a| a.expectation.epoch == fail.epoch)
-                else {
-                    return;
-                };
+                let Some(key) = self.receive_at(&fail.request_id, fail.epoch) else { return };
+                let Some(awaited) = self.receives.awaited.get(&key) else { return };
                 let Some(leg) = awaited
                     .leg_on(peer)
                     .filter(|&leg| !matches!(awaited.legs[leg].state, LegState::Over))
@@ -528,22 +651,16 @@ impl<T: Transport> Writer<T> {
                     FailReason::Quarantined => Outcome::quarantined(detail),
                     reason => Outcome::failed(Reason::of_fail(&reason), detail),
                 };
-                self.end_leg(&fail.request_id, leg, Some(outcome));
+                self.end_leg(&key, leg, Some(outcome));
             }
             Message::CancelAck(ack) => {
-                let Some(awaited) = self
-                    .receives
-                    .awaited
-                    .get_mut(&ack.request_id)
-                    .filter(|a| a.expectation.epoch == ack.epoch)
-                else {
-                    return;
-                };
+                let Some(key) = self.receive_at(&ack.request_id, ack.epoch) else { return };
+                let Some(awaited) = self.receives.awaited.get_mut(&key) else { return };
                 let cancelled = awaited
                     .leg_on(peer)
                     .filter(|&leg| matches!(awaited.legs[leg].state, LegState::Cancelling { .. }));
                 if let Some(leg) = cancelled {
-                    self.end_leg(&ack.request_id, leg, None);
+                    self.end_leg(&key, leg, None);
                 } else if let Some(leg) = awaited.leg_asked_on(peer) {
                     // A lost P's word, asked on a new connection: nothing more of it can land.
                     let evidence = format!(
@@ -552,8 +669,8 @@ impl<T: Transport> Writer<T> {
                         awaited.label(leg)
                     );
                     let stops = awaited.settle_leg(leg, &evidence);
-                    self.stop_legs(&ack.request_id, &stops);
-                    self.settle(&ack.request_id);
+                    self.stop_legs(&key, &stops);
+                    self.settle(&key);
                 }
             }
             // Error replies, stray DONEs on the side channel: nothing is waiting on them.
@@ -568,10 +685,11 @@ impl<T: Transport> Writer<T> {
         self.receives
             .sources
             .retain(|_, source| !matches!(source, Source::Connected(p) if *p == peer));
-        for (request_id, awaited) in &mut self.receives.awaited {
+        for awaited in self.receives.awaited.values_mut() {
             let Some(leg) = awaited.leg_on(peer).or_else(|| awaited.leg_asked_on(peer)) else {
                 continue;
             };
+            let request_id = &awaited.expectation.request_id;
             let outcome = Outcome::failed(
                 Reason::PeerLost,
                 format!("lost {} for request {request_id}: {reason}", awaited.label(leg)),
@@ -628,8 +746,9 @@ impl<T: Transport> Writer<T> {
     /// Reports, once, that `request_id`'s receive holds its blocks without evidence that a lost
     /// P's bytes can no longer land: its horizon passed, and it neither answered nor was found
     /// gone. The receive's own event still comes once it settles (or never, if it never does).
-    fn quarantine_notice(&mut self, request_id: &str) {
-        let Some(awaited) = self.receives.awaited.get(request_id) else { return };
+    fn quarantine_notice(&mut self, key: &str) {
+        let Some(awaited) = self.receives.awaited.get(key) else { return };
+        let request_id = &awaited.expectation.request_id;
         Counters::add(&self.shared.counters.quarantined_receives);
         let detail = format!(
             "request {request_id}: lost {} and its write horizon passed without P confirming \
@@ -639,7 +758,7 @@ impl<T: Transport> Writer<T> {
         );
         let event = Event {
             role: Role::Receive,
-            request_id: request_id.to_owned(),
+            request_id: request_id.clone(),
             key: awaited.key.clone(),
             outcome: Outcome::quarantined(detail),
             bytes: awaited.bytes,

@@ -36,6 +36,7 @@ use crate::side_channel::PeerId;
 use crate::sync::lock;
 use crate::transport::{MemorySpace, Transport, WriteId, WriteState};
 
+use super::agents;
 use super::control::Slot;
 use super::events::{Event, Outcome, Reason, Role, Timeline};
 use super::fanout;
@@ -154,22 +155,33 @@ impl Sends {
 }
 
 impl<T: Transport> Writer<T> {
-    /// One more use of the peer's transport agent, loading it on first use.
+    /// One more use of the peer's transport agent, loading it on first use. An agent already
+    /// loaded is shared only with a peer whose metadata is the same (a reconnect of the same
+    /// process): a name is not an identity (see `agents`).
     pub(super) fn use_agent(&mut self, hello: &Hello) -> Result<String, String> {
+        let digest = agents::digest(&hello.agent_metadata);
         if let Some(uses) = self.sends.agents.get_mut(&hello.agent_name) {
+            self.shared.agents.load(&hello.engine_id, &hello.agent_name, digest)?;
             *uses += 1;
             return Ok(hello.agent_name.clone());
         }
-        let name = self.transport.add_peer(&hello.agent_metadata).map_err(|e| e.to_string())?;
-        if name != hello.agent_name {
-            if !self.sends.agents.contains_key(&name) {
-                let _ = self.transport.remove_peer(&name);
+        // Before the transport learns the peer: a metadata that another agent's name already
+        // stands for must not replace (or join) that agent.
+        self.shared.agents.load(&hello.engine_id, &hello.agent_name, digest)?;
+        let name = match self.transport.add_peer(&hello.agent_metadata) {
+            Ok(name) if name == hello.agent_name => name,
+            loaded => {
+                self.shared.agents.unload(&hello.agent_name);
+                let name = loaded.map_err(|e| e.to_string())?;
+                if !self.sends.agents.contains_key(&name) {
+                    let _ = self.transport.remove_peer(&name);
+                }
+                return Err(format!(
+                    "peer {}'s agent metadata names agent {name:?} but its hello says {:?}",
+                    hello.engine_id, hello.agent_name
+                ));
             }
-            return Err(format!(
-                "peer {}'s agent metadata names agent {name:?} but its hello says {:?}",
-                hello.engine_id, hello.agent_name
-            ));
-        }
+        };
         self.sends.agents.insert(name.clone(), 1);
         Ok(name)
     }
@@ -181,6 +193,7 @@ impl<T: Transport> Writer<T> {
         if *uses == 0 {
             self.sends.agents.remove(agent);
             let _ = self.transport.remove_peer(agent);
+            self.shared.agents.unload(agent);
         }
     }
 
@@ -384,6 +397,7 @@ impl<T: Transport> Writer<T> {
             tp_size: self.layout.tp_size,
             bytes: plan.stats.bytes,
             runs,
+            nonce: register.nonce,
         });
         let notification = self.sends.notifications.encode(&done, unix_millis());
         let remote = peer.memory;

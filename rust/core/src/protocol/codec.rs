@@ -447,6 +447,7 @@ mod tests {
             num_tokens: 100,
             ttl_ms: 30_000,
             fanout: 1,
+            nonce: 0x1234_5678_9abc_def0,
         }
     }
 
@@ -459,6 +460,7 @@ mod tests {
             tp_size: 8,
             bytes: 1 << 33,
             runs: 4096,
+            nonce: 0xfedc_ba98_7654_3210,
         }
     }
 
@@ -894,10 +896,12 @@ mod tests {
             tp_rank: u32,
             epoch: u64,
             request_id: &'a str,
+            nonce: u64,
             transfer_key: &'a str,
         }
         let d = done();
         let body = rmp_serde::to_vec_named(&NewerDone {
+            nonce: d.nonce,
             runs: d.runs,
             priority: "high",
             bytes: d.bytes,
@@ -948,6 +952,64 @@ mod tests {
         let envelope = decoder.decode(&frame, NOW).unwrap();
         assert_eq!(envelope.message, Message::Done(d));
         assert_eq!((envelope.sender.as_str(), envelope.session, envelope.seq), ("py", 9, 4));
+    }
+
+    #[test]
+    fn a_register_or_done_without_a_nonce_decodes_with_none() {
+        // What a peer from before the nonce sends: the same maps without the field.
+        #[derive(Serialize)]
+        struct OldDone<'a> {
+            transfer_key: &'a str,
+            request_id: &'a str,
+            epoch: u64,
+            tp_rank: u32,
+            tp_size: u32,
+            bytes: u64,
+            runs: u32,
+        }
+        #[derive(Serialize)]
+        struct OldRegister<'a> {
+            transfer_key: &'a str,
+            request_id: &'a str,
+            epoch: u64,
+            engine_id: &'a str,
+            address: &'a str,
+            tp_rank: u32,
+            tp_size: u32,
+            groups: &'a [BlockGroup],
+            num_tokens: u64,
+            ttl_ms: u64,
+        }
+        let d = done();
+        let done_body = rmp_serde::to_vec_named(&OldDone {
+            transfer_key: &d.transfer_key,
+            request_id: &d.request_id,
+            epoch: d.epoch,
+            tp_rank: d.tp_rank,
+            tp_size: d.tp_size,
+            bytes: d.bytes,
+            runs: d.runs,
+        })
+        .unwrap();
+        let r = register(vec![1, 2]);
+        let register_body = rmp_serde::to_vec_named(&OldRegister {
+            transfer_key: &r.transfer_key,
+            request_id: &r.request_id,
+            epoch: r.epoch,
+            engine_id: &r.engine_id,
+            address: &r.address,
+            tp_rank: r.tp_rank,
+            tp_size: r.tp_size,
+            groups: &r.groups,
+            num_tokens: r.num_tokens,
+            ttl_ms: r.ttl_ms,
+        })
+        .unwrap();
+        let mut decoder = Decoder::new(None, Limits::default());
+        let decoded = decoder.decode(&custom_frame(1, "done", &done_body, NOW, None), NOW);
+        assert_eq!(decoded.unwrap().message, Message::Done(Done { nonce: 0, ..d }));
+        let decoded = decoder.decode(&custom_frame(1, "register", &register_body, NOW, None), NOW);
+        assert_eq!(decoded.unwrap().message, Message::Register(Register { nonce: 0, ..r }));
     }
 
     #[test]

@@ -125,6 +125,12 @@ pub struct Register {
     /// 1 (the default, and what older peers send): one D rank.
     #[serde(default = "one")]
     pub fanout: u32,
+    /// A fresh random number D picks for this registration (this leg, this epoch); P echoes it
+    /// in the [`Done`] of the WRITE into these blocks, and D counts only a DONE that does, so
+    /// that a DONE is tied to one registration and not just to its key and epoch. 0 (the
+    /// default, and what older peers send): none picked.
+    #[serde(default)]
+    pub nonce: u64,
 }
 
 fn one() -> u32 {
@@ -177,6 +183,10 @@ pub struct Done {
     pub bytes: u64,
     /// Descriptor runs (contiguous regions) those bytes were written as.
     pub runs: u32,
+    /// The `nonce` of the [`Register`] that was written (0 when it had none, and from older
+    /// peers).
+    #[serde(default)]
+    pub nonce: u64,
 }
 
 /// Why P could not deliver a transfer.

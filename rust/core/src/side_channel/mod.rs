@@ -150,9 +150,12 @@ pub struct SideChannelConfig {
     pub max_handshakes: usize,
     /// Largest frame read before the peer proved it holds the secret (its Hello). Default 64 KiB.
     pub handshake_frame_bytes: usize,
-    /// Listen beyond loopback without a secret. Off by default: a side channel bound to a
-    /// routable address without a secret refuses to start, since anyone who reaches the port
-    /// could then register for (and receive) another engine's KV.
+    /// Listen beyond loopback, and connect to peers beyond it, without a secret. Off by default:
+    /// a side channel bound to a routable address without a secret refuses to start, since anyone
+    /// who reaches the port could then register for (and receive) another engine's KV; and
+    /// [`SideChannel::connect`] refuses an address that is not loopback, since the connecting
+    /// side hands the peer its agent metadata (write access to its registered memory) and takes
+    /// its unauthenticated replies.
     pub allow_insecure: bool,
 }
 
@@ -307,6 +310,22 @@ pub enum SideChannelError {
         addr: String,
         /// What the connect or address lookup said.
         source: io::Error,
+    },
+    /// Without a secret (and without `allow_insecure`), the address is not loopback: nothing was
+    /// sent to it.
+    #[error(
+        "refusing to connect to the side channel at {addr} ({ip}) without a shared secret: this \
+         worker would hand that host its NIXL agent metadata, i.e. write access to its whole KV \
+         cache, and take its replies unauthenticated. Set the same secret on every prefill and \
+         decode worker (KVPUSH_SECRET=<32+ random bytes>, or kv_connector_extra_config \
+         {{\"secret\": ...}}), or accept the risk explicitly (KVPUSH_INSECURE=1 / \
+         {{\"insecure\": true}})"
+    )]
+    Insecure {
+        /// The address as given.
+        addr: String,
+        /// The first address it resolved to that is not loopback.
+        ip: std::net::IpAddr,
     },
     /// The TCP connection was made but the handshake failed; the reason says how and what to do.
     #[error("side-channel handshake with {addr} failed: {reason}")]
@@ -472,7 +491,9 @@ impl SideChannel {
     ///
     /// # Errors
     ///
-    /// [`Connect`](SideChannelError::Connect) when no TCP connection could be made;
+    /// [`Insecure`](SideChannelError::Insecure) for an address beyond loopback without a secret
+    /// (unless `allow_insecure`); [`Connect`](SideChannelError::Connect) when no TCP connection
+    /// could be made;
     /// [`Refused`](SideChannelError::Refused) when the peer answered with an `error` (it refused
     /// us: incompatible, unsigned, too many connections, ...);
     /// [`Handshake`](SideChannelError::Handshake) for everything else (timeout, a Hello we
@@ -486,7 +507,13 @@ impl SideChannel {
         let handshake_error =
             |reason: String| SideChannelError::Handshake { addr: addr.to_owned(), reason };
 
-        let socket = connect_within(addr, deadline, &shared.lookups).map_err(connect_error)?;
+        let candidates = resolve_within(addr, deadline, &shared.lookups).map_err(connect_error)?;
+        if shared.config.secret.is_none() && !shared.config.allow_insecure {
+            if let Some(beyond) = candidates.iter().find(|c| !c.ip().is_loopback()) {
+                return Err(SideChannelError::Insecure { addr: addr.to_owned(), ip: beyond.ip() });
+            }
+        }
+        let socket = connect_within(&candidates, deadline).map_err(connect_error)?;
         let peer_addr = socket.peer_addr().map_err(connect_error)?;
         shared.configure(&socket).map_err(connect_error)?;
         let conn = Arc::new(Connection::new(shared.next_id(), peer_addr, socket));
@@ -816,15 +843,11 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
     }
 }
 
-/// A TCP connection to the first address `addr` resolves to that accepts one before
-/// `deadline`.
-fn connect_within(
-    addr: &str,
-    deadline: Instant,
-    lookups: &Arc<AtomicUsize>,
-) -> io::Result<TcpStream> {
+/// A TCP connection to the first of `candidates` (what an address resolved to) that accepts one
+/// before `deadline`.
+fn connect_within(candidates: &[SocketAddr], deadline: Instant) -> io::Result<TcpStream> {
     let mut last_error = None;
-    for candidate in resolve_within(addr, deadline, lookups)? {
+    for &candidate in candidates {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             break;
