@@ -110,7 +110,7 @@ def test_scheduler_registers_d_blocks_once_and_cancels_aborted_waits() -> None:
     [
         ({"do_remote_prefill": True, "remote_port": 5600}, "remote_host"),
         ({"do_remote_prefill": True, "remote_host": "h"}, "remote_port"),
-        ({"do_remote_prefill": True, "remote_host": "h", "remote_port": "x"}, "integers"),
+        ({"do_remote_prefill": True, "remote_host": "h", "remote_port": "x"}, "must be an integer"),
         ({"do_remote_prefill": True, "remote_host": "h", "remote_port": 70_000}, "TCP port"),
         ({"do_remote_prefill": True, "remote_host": ["h"], "remote_port": 1}, "host name"),
         (
@@ -123,7 +123,7 @@ def test_scheduler_registers_d_blocks_once_and_cancels_aborted_waits() -> None:
         ),
         (
             {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "pp_size": "x"},
-            "integers",
+            "must be an integer",
         ),
     ],
 )

@@ -87,9 +87,7 @@ def _parse(params: object) -> TransferParams:
     if params is None:
         return TransferParams()
     if not isinstance(params, Mapping):
-        refused = Refused(
-            f"kv_transfer_params must be an object, not {_shown(params)}; kvpush ignores them"
-        )
+        refused = Refused(f"kv_transfer_params must be an object, not {_shown(params)}")
         return TransferParams(refused, refused)
     try:
         prefill_asked = _flag(params, "do_remote_prefill")
