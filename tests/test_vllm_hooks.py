@@ -1,25 +1,33 @@
 """No request can kill vLLM's engine through kvpush's connector hooks.
 
-* The two engine killers of the report, through vLLM's real :class:`Scheduler` with
-  :class:`KvPushConnector` in its scheduler role, beside a good disaggregated request; the
-  worker role's hooks (the real connector and :class:`PushWorker`, over an endpoint test double)
-  answer each step, and their report goes back through ``update_from_output``, where vLLM
-  asserts it knows every reported request.
+* Property test (hypothesis): arbitrary kv_transfer_params (JSON-like values, ``Infinity``,
+  ``NaN``, huge integers, nesting, long strings, wrong types for every key, and params that are
+  not an object) go through vLLM's real :class:`Scheduler` with :class:`KvPushConnector` in its
+  scheduler role, beside a good disaggregated request, for a few engine steps; the worker role's
+  hooks (the real connector and :class:`PushWorker`, over an endpoint test double that delivers,
+  fails or raises per request) answer each step, and their report goes back through
+  ``update_from_output``, where vLLM asserts it knows every reported request. Nothing raises;
+  every request ends and is freed; a request waits for P's KV only when its params were
+  accepted, and then ends normally if the KV came, else as ``kv_load_failure_policy`` says; each
+  receive is reported once; each refused request is logged once, with its id.
+* The two engine killers of the report (``"remote_port": Infinity``, ``"tp_size": Infinity``)
+  through the same loop: each prefills locally, beside a good request that gets its KV.
 * The worker role's hooks when the endpoint raises each kvpush error (and unexpected ones), or
   is a real endpoint that was closed: the request alone is reported finished (and failed, for a
   receive, with its blocks as load errors), once.
 * The scheduler role's handlers when a hook fails for an unexpected reason.
 
-Needs vLLM (``.venv-vllm``).
+Needs vLLM (``.venv-vllm``) and hypothesis (both installed there by ``scripts/setup-vllm``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +37,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import kvpush
 from kvpush.exceptions import (
@@ -38,6 +48,7 @@ from kvpush.exceptions import (
     UnhealthyError,
 )
 from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches
+from kvpush.vllm._params import Refused, RemotePrefill, parse_params
 from kvpush.vllm._scheduler import (
     PushMetadata,
     PushScheduler,
@@ -296,6 +307,22 @@ def worker_connector(vllm_config: Any, worker: PushWorker) -> Any:
     return connector
 
 
+class Engine:
+    """The module's vLLM config and KV layout, in one argument that hypothesis's failure report
+    shows by name (it would print a dataclass field by field, and vLLM's configs refuse)."""
+
+    def __init__(self, vllm_config: Any, cache: CacheLayout) -> None:
+        self.vllm_config, self.cache = vllm_config, cache
+
+    def __repr__(self) -> str:
+        return "Engine(kv_both, KvPushConnector)"
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_config: Any, cache: CacheLayout) -> Engine:
+    return Engine(vllm_config, cache)
+
+
 class Records(logging.Handler):
     """kvpush's log records at WARNING and above."""
 
@@ -391,6 +418,148 @@ def run_engine(
                     run.finish[output.request_id] = output.finish_reason
     connector.shutdown()
     return run
+
+
+# ---- kv_transfer_params as a client may send them ------------------------------------------
+
+numbers = st.one_of(
+    st.integers(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.sampled_from([0, 1, -1, 5600, 65_535, 65_536, 2**31, 2**63, 2**64, 2**70, 10**400]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([math.inf, -math.inf, math.nan, 1e300, -1e300, 5600.0, 5600.5, 1.0, 0.0]),
+)
+texts = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(["", "127.0.0.1", "::1", "a b", "h\x00", "\ud800", "x\n"]),
+    st.integers(min_value=200, max_value=20_000).map(lambda n: "h" * n),
+)
+scalars = st.one_of(st.none(), st.booleans(), numbers, texts)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(st.text(max_size=6), inner, max_size=4),
+        st.integers(min_value=1000, max_value=50_000).map(lambda n: list(range(n))),  # huge lists
+    ),
+    max_leaves=8,
+)
+#: Mostly a remote prefill with a few of its fields replaced; also wholly arbitrary objects,
+#: and values that are not an object at all.
+kv_params = st.one_of(
+    st.dictionaries(st.sampled_from(KEYS), json_values, max_size=3).map(lambda c: {**GOOD, **c}),
+    st.dictionaries(st.sampled_from(KEYS), json_values, max_size=3).map(
+        lambda c: {**GOOD, "do_remote_decode": True, **c}
+    ),
+    st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=6)), json_values),
+    json_values,
+)
+errors = st.sampled_from(
+    [
+        UnhealthyError("writer stalled"),
+        ConfigError("request: ttl exceeds the maximum"),
+        TransportError("endpoint closed"),
+        KvPushError("refused"),
+        OverflowError("int too big to convert"),
+        RuntimeError("a bug"),
+    ]
+)
+behaviours = st.builds(
+    Behaviour,
+    outcome=st.sampled_from(["done", "done", "failed", "cancelled"]),
+    error=st.one_of(st.none(), st.none(), errors),
+    polls=st.integers(min_value=0, max_value=3),
+)
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    params=st.lists(kv_params, min_size=1, max_size=4),
+    prompts=st.lists(st.integers(min_value=1, max_value=64), min_size=5, max_size=5),
+    chosen=st.lists(behaviours, min_size=5, max_size=5),
+    aborts=st.dictionaries(
+        st.integers(min_value=1, max_value=3),
+        st.lists(st.sampled_from([f"bad-{i}" for i in range(4)]), min_size=1, max_size=2),
+        max_size=2,
+    ),
+    policy=st.sampled_from(["fail", "recompute"]),
+)
+def test_no_kv_transfer_params_kill_the_engine_or_hurt_another_request(
+    engine: Engine,
+    records: Records,
+    params: list[Any],
+    prompts: list[int],
+    chosen: list[Behaviour],
+    aborts: dict[int, list[str]],
+    policy: str,
+) -> None:
+    from vllm.v1.engine import FinishReason
+
+    records.records.clear()
+    ids = [f"bad-{i}" for i in range(len(params))]
+    # The good request's KV arrives: it must end normally whatever its neighbours carry.
+    behaviour = {"good": Behaviour("done", None, 1)} | dict(zip(ids, chosen, strict=False))
+    endpoint = EndpointDouble(behaviour)
+    scheduler = new_scheduler(engine.vllm_config, policy)
+    connector = worker_connector(engine.vllm_config, push_worker(engine.cache, endpoint))
+    requests = [new_request("good", 40, dict(GOOD))] + [
+        new_request(request_id, prompt, p)
+        for request_id, prompt, p in zip(ids, prompts, params, strict=False)
+    ]
+    raw_params = dict(zip(ids, params, strict=True))
+    asked = {request_id: parse_params(p) for request_id, p in raw_params.items()}
+    run = run_engine(scheduler, connector, requests, aborts)
+
+    for request_id in ids:
+        accepted = isinstance(asked[request_id].remote_prefill, RemotePrefill)
+        event(f"remote prefill {'accepted' if accepted else 'not asked or refused'}")
+        event(f"{'waited for KV' if request_id in run.waited else 'never waited'}")
+        if request_id in run.failed:
+            event(f"receive failed (policy {policy})")
+    for call, _, _ in endpoint.calls:
+        event(f"endpoint {call}")
+    assert not scheduler.requests, f"requests never freed: {list(scheduler.requests)}"
+    assert run.finish.get("good") == FinishReason.LENGTH
+    assert "good" in run.waited
+    aborted = {request_id for dropped in aborts.values() for request_id in dropped}
+    for request_id in ids:
+        prefill = asked[request_id].remote_prefill
+        if request_id in run.waited:
+            assert isinstance(prefill, RemotePrefill), f"{request_id} waited on {prefill}"
+        if request_id in aborted and request_id not in run.finish:
+            continue
+        delivered = request_id in run.recv_reports and request_id not in run.failed
+        if request_id not in run.waited or delivered or policy == "recompute":
+            assert run.finish[request_id] == FinishReason.LENGTH, request_id
+        else:
+            assert run.finish[request_id] == FinishReason.ERROR, request_id
+    assert all(n == 1 for n in run.recv_reports.values()), run.recv_reports
+    assert all(n == 1 for n in run.send_reports.values()), run.send_reports
+    # What was registered with P came from numbers no client can smuggle in.
+    for call, request_id, sources in endpoint.calls:
+        if call != "expect" or request_id == "good":
+            continue
+        raw = params[ids.index(request_id)]
+        port = raw["remote_port"]
+        assert not isinstance(port, bool)
+        assert isinstance(port, int) or (math.isfinite(port) and port == int(port))
+        assert sources == [f"{raw['remote_host']}:{int(port)}"]
+    # Each refusal is logged once, naming the request (a remote prefill's, and P's when its
+    # own fields are wrong too).
+    for request_id in ids:
+        lines = records.naming(request_id)
+        assert len(lines) == len(set(lines)), lines
+        prefill = asked[request_id].remote_prefill
+        if isinstance(prefill, Refused) and not isinstance(raw_params[request_id], Mapping):
+            # No object at all: vLLM's own scheduler would read it as one, so it is dropped.
+            assert lines == [f"kvpush: request {request_id}: {prefill.reason}; {DROPPED}"]
+        elif isinstance(prefill, Refused):
+            local = [line for line in lines if LOCAL in line]
+            assert local == [f"kvpush: request {request_id}: {prefill.reason}; {LOCAL}"]
 
 
 @pytest.mark.parametrize(
