@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 import kvpush
-from kvpush.exceptions import KvPushError, LayoutError
+from kvpush.exceptions import ConfigError, KvPushError, LayoutError
 from kvpush.vllm import _stats, _worker
 from kvpush.vllm._layout import CacheGroups, Model, TensorView, layout_from_caches, views_by_group
 from kvpush.vllm._scheduler import PushScheduler
-from kvpush.vllm._worker import THREAD_CPUS_ENV, PushWorker, WorkerConfig
+from kvpush.vllm._worker import THREAD_CPUS_ENV, PushWorker, WorkerConfig, load_secret
 
 HEADS, HEAD = 2, 4  # KV heads per rank, head size (float32)
 
@@ -641,3 +641,77 @@ def test_a_steps_idleness_survives_vllm_binding_then_starting_it() -> None:
     busy = KvPushMetadata(PushMetadata())
     assert not busy.take().idle
     assert not busy.take().idle
+
+
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def test_a_secret_in_the_connectors_config_is_refused_with_what_to_do_instead() -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_secret({"secret": SECRET}, {})
+    message = str(refused.value)
+    assert SECRET not in message
+    for advice in ("KVPUSH_SECRET", "secret_file", "KVPUSH_SECRET_FILE", "/proc/*/cmdline"):
+        assert advice in message
+    with pytest.raises(ConfigError):
+        load_secret({"secret": None}, {"KVPUSH_SECRET": SECRET})  # the option, set or not
+
+
+def test_the_secret_comes_from_the_environment_or_a_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert load_secret({}, {}) is None
+    assert load_secret({"side_channel_port": 1}, {"KVPUSH_SECRET": SECRET}) == SECRET.encode()
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")  # as `openssl rand -hex 32 >FILE` writes it
+    path.chmod(0o600)
+    with caplog.at_level("WARNING", logger="vllm.kvpush"):
+        assert load_secret({"secret_file": str(path)}, {}) == SECRET.encode()
+        assert load_secret({}, {"KVPUSH_SECRET_FILE": str(path)}) == SECRET.encode()
+    assert not caplog.text
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="vllm.kvpush"):
+        assert load_secret({"secret_file": str(path)}, {}) == SECRET.encode()
+    assert "can be read by other users (mode 644); chmod 600 it" in caplog.text
+    assert SECRET not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "environ", "complaint"),
+    [
+        ({"secret_file": "FILE"}, {"KVPUSH_SECRET": SECRET}, "give the secret one way"),
+        ({}, {"KVPUSH_SECRET_FILE": "MISSING"}, "No such file or directory"),
+        ({"secret_file": "EMPTY"}, {}, "is empty"),
+        ({"secret_file": ["FILE"]}, {}, "must be a path"),
+    ],
+)
+def test_a_secret_that_cannot_be_read_stops_the_start_with_the_reason(
+    tmp_path: Path, extra: dict[str, Any], environ: dict[str, str], complaint: str
+) -> None:
+    (tmp_path / "FILE").write_text(SECRET)
+    (tmp_path / "EMPTY").write_text("\n")
+
+    def placed(value: Any) -> Any:
+        return str(tmp_path / value) if isinstance(value, str) and value.isupper() else value
+
+    extra = {k: placed(v) for k, v in extra.items()}
+    environ = {k: placed(v) if k.endswith("_FILE") else v for k, v in environ.items()}
+    with pytest.raises(ConfigError, match=complaint) as refused:
+        load_secret(extra, environ)
+    assert SECRET not in str(refused.value)
+
+
+def test_a_workers_config_never_shows_its_secret() -> None:
+    config = WorkerConfig(
+        engine_id="e",
+        side_channel_host="127.0.0.1",
+        side_channel_port=0,
+        secret=SECRET.encode(),
+        insecure=False,
+        ttl=1.0,
+        receive_timeout=1.0,
+        transport="loopback",
+        model_fingerprint="m",
+    )
+    assert SECRET not in repr(config)
+    assert SECRET not in str(config)

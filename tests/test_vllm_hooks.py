@@ -784,3 +784,18 @@ def test_no_assert_guards_an_engine_path() -> None:
     for module in ("connector.py", "_scheduler.py", "_worker.py", "_params.py"):
         lines = (package / module).read_text().splitlines()
         assert not [line for line in lines if line.strip().startswith("assert ")], module
+
+
+def test_a_secret_in_the_kv_transfer_config_stops_the_engine_at_startup(
+    vllm_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM logs kv_transfer_config at every start and the command line is world-readable: the
+    connector refuses a secret there, in its first hook (vLLM's factory building it), before
+    any request; the message says where the secret goes instead and never shows it."""
+    secret = "do-not-print-0123456789abcdef"
+    monkeypatch.setattr(
+        vllm_config.kv_transfer_config, "kv_connector_extra_config", {"secret": secret}
+    )
+    with pytest.raises(ConfigError, match="KVPUSH_SECRET_FILE") as refused:
+        new_scheduler(vllm_config, "fail")
+    assert secret not in str(refused.value)

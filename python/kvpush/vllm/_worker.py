@@ -8,14 +8,15 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import kvpush
 from kvpush.exceptions import (
+    ConfigError,
     KvPushError,
     LayoutError,
     RendezvousError,
@@ -107,7 +108,8 @@ class WorkerConfig:
     engine_id: str
     side_channel_host: str
     side_channel_port: int
-    secret: bytes | None
+    #: The shared secret (:func:`load_secret`); never in a repr, so never in a log line.
+    secret: bytes | None = field(repr=False)
     #: Listen beyond loopback without a secret (``insecure`` / ``KVPUSH_INSECURE=1``).
     insecure: bool
     ttl: float
@@ -118,6 +120,55 @@ class WorkerConfig:
     write_timeout: float = 10.0
     peer_timeout: float = 5.0
     heartbeat_interval: float = 1.0
+
+
+#: The shared secret itself, or the path of a file that holds it.
+SECRET_ENV = "KVPUSH_SECRET"
+SECRET_FILE_ENV = "KVPUSH_SECRET_FILE"
+
+
+def load_secret(extra: Mapping[str, object], environ: Mapping[str, str]) -> bytes | None:
+    """The shared secret, from the environment (``KVPUSH_SECRET``) or a file (option
+    ``secret_file`` or ``KVPUSH_SECRET_FILE``; surrounding whitespace, such as the newline
+    ``openssl rand -hex 32 >FILE`` ends it with, is not part of it); None when neither is set.
+
+    Never from ``kv_connector_extra_config`` itself: vLLM logs that config at every start, and a
+    command line is readable by every user of the host (``/proc/*/cmdline``). Refused at
+    startup, with what to do instead; no message carries the secret.
+    """
+    if "secret" in extra:
+        raise ConfigError(
+            "kv_connector_extra_config.secret is refused: vLLM logs kv_transfer_config at every "
+            "start and the command line is readable by every user of the host "
+            f"(/proc/*/cmdline). Remove it and give the secret in the environment ({SECRET_ENV}) "
+            f"or in a file readable by the server's user only (option secret_file, or "
+            f"{SECRET_FILE_ENV}: the file's path)"
+        )
+    path = extra.get("secret_file") or environ.get(SECRET_FILE_ENV)
+    from_env = environ.get(SECRET_ENV)
+    if path and from_env:
+        raise ConfigError(
+            f"both {SECRET_ENV} and a secret file ({path}) are set: give the secret one way"
+        )
+    if not path:
+        return from_env.encode() if from_env else None
+    if not isinstance(path, str):
+        raise ConfigError(f"secret_file must be a path, not a {type(path).__name__}")
+    try:
+        with open(path, "rb") as file:
+            secret = file.read().strip()
+            mode = os.fstat(file.fileno()).st_mode
+    except OSError as error:
+        raise ConfigError(f"secret file {path}: {error.strerror or error}") from None
+    if not secret:
+        raise ConfigError(f"secret file {path} is empty")
+    if mode & 0o077:
+        logger.warning(
+            "kvpush: secret file %s can be read by other users (mode %o); chmod 600 it",
+            path,
+            mode & 0o777,
+        )
+    return secret
 
 
 def compatibility(model_fingerprint: str, cache: CacheLayout) -> str:

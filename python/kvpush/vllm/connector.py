@@ -10,13 +10,18 @@ or by name alone once kvpush is installed (it registers itself through vLLM's pl
 point). This class only translates: vLLM objects in, :mod:`kvpush.vllm._scheduler` and
 :mod:`kvpush.vllm._worker` decide and act, and their results go back through vLLM's own
 channels (``finished_sending``/``finished_recving``/``failed_recving`` and invalid block ids), so
-``kv_load_failure_policy`` applies to every failed receive.
+``kv_load_failure_policy`` applies to every failed receive. No hook raises into vLLM's engine
+for one request's sake: kv_transfer_params are read by :mod:`kvpush.vllm._params`, and a bad
+request, or an endpoint call that fails, fails that request alone (a local prefill, a failed
+receive, a send reported over).
 
 Options (``kv_connector_extra_config``): ``side_channel_host``/``side_channel_port`` (default:
 ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, as vLLM's NIXL connectors; worker ``r`` listens on
-port + r), ``secret`` (or env ``KVPUSH_SECRET``: HMAC-sign every control message and prove
-it both ways before any NIXL metadata moves; required to listen beyond loopback unless
-``insecure`` is true or ``KVPUSH_INSECURE=1``),
+port + r), ``secret_file`` (or env ``KVPUSH_SECRET_FILE``: the path of a file holding the shared
+secret; or the secret itself in env ``KVPUSH_SECRET``. It HMAC-signs every control message and
+is proven both ways before any NIXL metadata moves; required to listen beyond loopback unless
+``insecure`` is true or ``KVPUSH_INSECURE=1``. A ``secret`` option is refused at startup: vLLM
+logs this config at every start, and a command line is readable by every user of the host),
 ``kv_lease_duration`` (s P keeps finished KV for D, default 30), ``receive_timeout`` (s D waits
 for KV, default 120), ``write_timeout`` / ``peer_timeout`` / ``heartbeat_interval`` (s, defaults
 10 / 5 / 1: the write horizon, see docs/operations.md), ``transport`` (``nixl``, or ``loopback``
@@ -47,7 +52,7 @@ from kvpush.exceptions import KvPushError
 from kvpush.vllm import _stats
 from kvpush.vllm._layout import CacheGroups, Model, views_by_group
 from kvpush.vllm._scheduler import PushMetadata, PushScheduler
-from kvpush.vllm._worker import PushWorker, WorkerConfig
+from kvpush.vllm._worker import PushWorker, WorkerConfig, load_secret
 
 if TYPE_CHECKING:
     import torch
@@ -172,7 +177,6 @@ def _flag(value: object) -> bool:
 def _worker_config(vllm_config: VllmConfig) -> WorkerConfig:
     transfer = vllm_config.kv_transfer_config
     extra = transfer.kv_connector_extra_config or {}
-    secret = extra.get("secret") or os.environ.get("KVPUSH_SECRET")
     model = vllm_config.model_config
     return WorkerConfig(
         engine_id=str(transfer.engine_id),
@@ -183,7 +187,7 @@ def _worker_config(vllm_config: VllmConfig) -> WorkerConfig:
         side_channel_port=int(
             extra.get("side_channel_port") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 5600
         ),
-        secret=secret.encode() if isinstance(secret, str) else secret,
+        secret=load_secret(extra, os.environ),
         insecure=_flag(extra.get("insecure", os.environ.get("KVPUSH_INSECURE", ""))),
         ttl=float(extra.get("kv_lease_duration", 30.0)),
         write_timeout=float(extra.get("write_timeout", 10.0)),
