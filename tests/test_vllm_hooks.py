@@ -280,9 +280,9 @@ WORKER_CONFIG = WorkerConfig(
 )
 
 
-def push_worker(cache: CacheLayout, endpoint: Any) -> PushWorker:
+def push_worker(cache: CacheLayout, endpoint: Any, model: Model | None = None) -> PushWorker:
     """A worker as its registration leaves it, over ``endpoint`` (a double, or a real one)."""
-    worker = PushWorker(WORKER_CONFIG, Model(HEADS, HEAD, BLOCK))
+    worker = PushWorker(WORKER_CONFIG, model or Model(HEADS, HEAD, BLOCK))
     worker._cache = cache
     worker._endpoint = endpoint
     return worker
@@ -799,3 +799,23 @@ def test_a_secret_in_the_kv_transfer_config_stops_the_engine_at_startup(
     with pytest.raises(ConfigError, match="KVPUSH_SECRET_FILE") as refused:
         new_scheduler(vllm_config, "fail")
     assert secret not in str(refused.value)
+
+
+def test_with_several_kv_cache_groups_a_failed_receive_is_reported_by_request_alone(
+    vllm_config: Any, cache: CacheLayout
+) -> None:
+    """Block ids are per group, so vLLM raises on block-level load errors when there are
+    several groups (``_handle_invalid_blocks``): the failure goes by ``failed_recving`` only."""
+    from kvpush.vllm._layout import CacheGroups
+
+    groups = CacheGroups(transfer_ids=(0, 1), total=2, block_size=BLOCK, windowed=(True, False))
+    endpoint = EndpointDouble({"d-1": Behaviour(error=UnhealthyError("stalled"))})
+    model = Model(HEADS, HEAD, BLOCK, groups=groups)
+    connector = worker_connector(vllm_config, push_worker(cache, endpoint, model))
+    from kvpush.vllm.connector import KvPushMetadata
+
+    recv = RecvRequest("d-1", None, "127.0.0.1", 5600, 1, ((4,), (4, 5)), 0, 20)
+    connector.bind_connector_metadata(KvPushMetadata(PushMetadata(recvs=[recv])))
+    results = connector.get_transfer_results(set())
+    assert results.finished_recving == results.failed_recving == {"d-1"}
+    assert connector.get_block_ids_with_load_errors() == set()
