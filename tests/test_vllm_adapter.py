@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -141,6 +141,24 @@ def test_bad_params_fall_back_to_a_local_prefill_of_that_request_alone(
     # vLLM then allocates no external tokens: nothing is registered, nothing raised.
     sched.allocated("d-bad", params, [[1]], 0, 10, 0)
     assert not sched.take_metadata()
+
+
+def test_a_remote_prefill_is_settled_once_even_where_its_params_cannot_be_marked() -> None:
+    """vLLM asks again for a request it re-admits (preempted, or recomputed after a failed
+    load): P's KV does not come twice, so it matches nothing, whether or not its params could
+    be marked (a mapping kvpush cannot write to keeps ``do_remote_prefill``)."""
+    sched = PushScheduler()
+    params = MappingProxyType(dict(D_PARAMS))
+    assert sched.external_tokens("d-1", params, 100, 0) == (100, True)
+    sched.allocated("d-1", params, [[1, 2]], 0, 100, 100)
+    assert len(sched.take_metadata().recvs) == 1
+    assert sched.external_tokens("d-1", params, 100, 0) == (0, False)
+    sched.allocated("d-1", params, [[3]], 0, 100, 0)
+    assert not sched.take_metadata()
+    sched.transfers_finished(set(), {"d-1"})
+    assert sched.finished("d-1", params, True, [[3]], 100) == (False, None)
+    # Finished: a later request reusing the id is asked afresh.
+    assert sched.external_tokens("d-1", params, 100, 0) == (100, True)
 
 
 def test_scheduler_keeps_p_blocks_until_the_send_is_reported() -> None:

@@ -125,10 +125,12 @@ class PushScheduler:
         self._pending = PushMetadata()
         self._sending: set[str] = set()
         self._receiving: set[str] = set()
-        #: D: requests asked to prefill remotely that prefill locally instead (refused, or a
-        #: hook failed): asked again (vLLM retries a request it could not schedule), they
-        #: match nothing, without a second log line. Until the request finishes.
-        self._local: set[str] = set()
+        #: D: requests whose remote prefill is settled (registered once, refused, failed, or
+        #: not needed after all): asked again (vLLM retries a request it could not schedule,
+        #: re-admits a preempted or recomputed one), they match nothing and log nothing, even
+        #: where their params cannot be marked (``do_remote_prefill`` cleared). Until the
+        #: request finishes.
+        self._settled: set[str] = set()
 
     # ---- every request ----------------------------------------------------------------------
 
@@ -165,7 +167,7 @@ class PushScheduler:
         vLLM's contract lets a connector match nothing, and one bad request must not stop the
         others.
         """
-        if request_id in self._local:
+        if request_id in self._settled:
             return 0, False
         asked = parse_params(params).remote_prefill
         if asked is None:
@@ -198,12 +200,12 @@ class PushScheduler:
         (:class:`RecvRefused`), which report it failed.
         """
         asked = parse_params(params).remote_prefill
-        if asked is None or request_id in self._local:
+        if asked is None or request_id in self._settled:
             return
         if num_external <= 0:
             # Nothing to load after all (a local hit covered it, or vLLM trimmed the match):
             # the request computes its prompt here, now and after any preemption.
-            _clear_remote_prefill(params)
+            self._settle(request_id, params)
             return
         if isinstance(asked, Refused):
             self._refuse_recv(request_id, params, uncached_blocks, asked.reason)
@@ -220,7 +222,7 @@ class PushScheduler:
             num_tokens=prompt_tokens,
             first_tokens=self._uncached_starts(blocks, num_computed, prompt_tokens),
         )
-        _clear_remote_prefill(params)
+        self._settle(request_id, params)
         self._receiving.add(request_id)
         self._pending.recvs.append(recv)
 
@@ -250,15 +252,14 @@ class PushScheduler:
     def _prefill_locally(
         self, request_id: str, params: object, reason: str, error: Exception | None = None
     ) -> None:
-        if request_id not in self._local:
+        if request_id not in self._settled:
             logger.warning(
                 "kvpush: request %s: %s; prefilling it locally instead",
                 request_id,
                 reason,
                 exc_info=error,
             )
-        self._local.add(request_id)
-        _clear_remote_prefill(params)
+        self._settle(request_id, params)
 
     def _refuse_recv(
         self,
@@ -279,8 +280,13 @@ class PushScheduler:
             reason,
             exc_info=error,
         )
-        _clear_remote_prefill(params)
+        self._settle(request_id, params)
         self._pending.refused.append(RecvRefused(request_id, blocks, reason))
+
+    def _settle(self, request_id: str, params: object) -> None:
+        """The request's remote prefill is over: it computes what it lacks here from now on."""
+        self._settled.add(request_id)
+        _clear_remote_prefill(params)
 
     def _moved(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         if self._groups is None:
@@ -322,8 +328,8 @@ class PushScheduler:
         P offers the KV of a prefill that finished normally to D, keeping its blocks until the
         workers report the send over; a prefill that ended otherwise is aborted (D is told).
         """
-        refused_before = request_id in self._local
-        self._local.discard(request_id)
+        refused_before = request_id in self._settled
+        self._settled.discard(request_id)
         if request_id in self._receiving:
             # D: aborted while waiting for its KV. vLLM keeps the blocks until the workers
             # report the receive finished, which they do once P confirmed the cancel.
@@ -377,7 +383,7 @@ class PushScheduler:
         """``request_finished`` failed for this request: nothing is sent, its blocks are freed
         (P; D is told when the transfer id is known), or kept until the cancel is confirmed
         (D, waiting for its KV)."""
-        self._local.discard(request_id)
+        self._settled.discard(request_id)
         if request_id in self._receiving:
             self._pending.cancels.append(request_id)
             return False, None
