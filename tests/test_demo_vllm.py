@@ -199,14 +199,17 @@ def test_metrics_are_summed_over_matching_labels() -> None:
 
 
 def test_a_servers_log_never_shows_its_secret(tmp_path: Path) -> None:
+    """kvpush's secret travels in the environment, which the log redacts; a secret some other
+    connector takes in its JSON config is redacted from the logged command line too."""
     secret = "s3cret-value-that-must-not-be-logged"
+    token = "t0ken-value-that-must-not-be-logged"
     server = servers.VllmServer(
         "P",
         Path("model"),
         tmp_path,
         port=1,
         side_channel_port=2,
-        kv_transfer_config={"kv_connector_extra_config": {"secret": secret, "ttl": 5}},
+        kv_transfer_config={"kv_connector_extra_config": {"token": token, "ttl": 5}},
         extra_env={"KVPUSH_SECRET": secret},
         extra_args=["--definitely-not-a-vllm-flag"],
     )
@@ -219,6 +222,8 @@ def test_a_servers_log_never_shows_its_secret(tmp_path: Path) -> None:
     logged = server.log_text()
     assert servers.REDACTED in logged
     assert secret not in logged
-    # The server itself still gets the secret.
+    assert token not in logged
+    # The server itself still gets them, the secret never on its command line.
     assert server.environment()["KVPUSH_SECRET"] == secret
-    assert secret in " ".join(server.command())
+    assert secret not in " ".join(server.command())
+    assert token in " ".join(server.command())

@@ -9,18 +9,18 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
 import kvpush
-from kvpush.exceptions import KvPushError, LayoutError
+from kvpush.exceptions import ConfigError, KvPushError, LayoutError
 from kvpush.vllm import _stats, _worker
 from kvpush.vllm._layout import CacheGroups, Model, TensorView, layout_from_caches, views_by_group
 from kvpush.vllm._scheduler import PushScheduler
-from kvpush.vllm._worker import THREAD_CPUS_ENV, PushWorker, WorkerConfig
+from kvpush.vllm._worker import THREAD_CPUS_ENV, PushWorker, WorkerConfig, load_secret
 
 HEADS, HEAD = 2, 4  # KV heads per rank, head size (float32)
 
@@ -110,7 +110,7 @@ def test_scheduler_registers_d_blocks_once_and_cancels_aborted_waits() -> None:
     [
         ({"do_remote_prefill": True, "remote_port": 5600}, "remote_host"),
         ({"do_remote_prefill": True, "remote_host": "h"}, "remote_port"),
-        ({"do_remote_prefill": True, "remote_host": "h", "remote_port": "x"}, "integers"),
+        ({"do_remote_prefill": True, "remote_host": "h", "remote_port": "x"}, "must be an integer"),
         ({"do_remote_prefill": True, "remote_host": "h", "remote_port": 70_000}, "TCP port"),
         ({"do_remote_prefill": True, "remote_host": ["h"], "remote_port": 1}, "host name"),
         (
@@ -123,7 +123,7 @@ def test_scheduler_registers_d_blocks_once_and_cancels_aborted_waits() -> None:
         ),
         (
             {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "pp_size": "x"},
-            "integers",
+            "must be an integer",
         ),
     ],
 )
@@ -141,6 +141,24 @@ def test_bad_params_fall_back_to_a_local_prefill_of_that_request_alone(
     # vLLM then allocates no external tokens: nothing is registered, nothing raised.
     sched.allocated("d-bad", params, [[1]], 0, 10, 0)
     assert not sched.take_metadata()
+
+
+def test_a_remote_prefill_is_settled_once_even_where_its_params_cannot_be_marked() -> None:
+    """vLLM asks again for a request it re-admits (preempted, or recomputed after a failed
+    load): P's KV does not come twice, so it matches nothing, whether or not its params could
+    be marked (a mapping kvpush cannot write to keeps ``do_remote_prefill``)."""
+    sched = PushScheduler()
+    params = MappingProxyType(dict(D_PARAMS))
+    assert sched.external_tokens("d-1", params, 100, 0) == (100, True)
+    sched.allocated("d-1", params, [[1, 2]], 0, 100, 100)
+    assert len(sched.take_metadata().recvs) == 1
+    assert sched.external_tokens("d-1", params, 100, 0) == (0, False)
+    sched.allocated("d-1", params, [[3]], 0, 100, 0)
+    assert not sched.take_metadata()
+    sched.transfers_finished(set(), {"d-1"})
+    assert sched.finished("d-1", params, True, [[3]], 100) == (False, None)
+    # Finished: a later request reusing the id is asked afresh.
+    assert sched.external_tokens("d-1", params, 100, 0) == (100, True)
 
 
 def test_scheduler_keeps_p_blocks_until_the_send_is_reported() -> None:
@@ -694,3 +712,77 @@ def test_work_a_busy_endpoint_refused_fails_alone_or_is_retried_next_step() -> N
         assert busy.calls[3:] == [], "each is retried until taken, then not again"
     finally:
         d.close()
+
+
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def test_a_secret_in_the_connectors_config_is_refused_with_what_to_do_instead() -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_secret({"secret": SECRET}, {})
+    message = str(refused.value)
+    assert SECRET not in message
+    for advice in ("KVPUSH_SECRET", "secret_file", "KVPUSH_SECRET_FILE", "/proc/*/cmdline"):
+        assert advice in message
+    with pytest.raises(ConfigError):
+        load_secret({"secret": None}, {"KVPUSH_SECRET": SECRET})  # the option, set or not
+
+
+def test_the_secret_comes_from_the_environment_or_a_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert load_secret({}, {}) is None
+    assert load_secret({"side_channel_port": 1}, {"KVPUSH_SECRET": SECRET}) == SECRET.encode()
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")  # as `openssl rand -hex 32 >FILE` writes it
+    path.chmod(0o600)
+    with caplog.at_level("WARNING", logger="vllm.kvpush"):
+        assert load_secret({"secret_file": str(path)}, {}) == SECRET.encode()
+        assert load_secret({}, {"KVPUSH_SECRET_FILE": str(path)}) == SECRET.encode()
+    assert not caplog.text
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="vllm.kvpush"):
+        assert load_secret({"secret_file": str(path)}, {}) == SECRET.encode()
+    assert "can be read by other users (mode 644); chmod 600 it" in caplog.text
+    assert SECRET not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "environ", "complaint"),
+    [
+        ({"secret_file": "FILE"}, {"KVPUSH_SECRET": SECRET}, "give the secret one way"),
+        ({}, {"KVPUSH_SECRET_FILE": "MISSING"}, "No such file or directory"),
+        ({"secret_file": "EMPTY"}, {}, "is empty"),
+        ({"secret_file": ["FILE"]}, {}, "must be a path"),
+    ],
+)
+def test_a_secret_that_cannot_be_read_stops_the_start_with_the_reason(
+    tmp_path: Path, extra: dict[str, Any], environ: dict[str, str], complaint: str
+) -> None:
+    (tmp_path / "FILE").write_text(SECRET)
+    (tmp_path / "EMPTY").write_text("\n")
+
+    def placed(value: Any) -> Any:
+        return str(tmp_path / value) if isinstance(value, str) and value.isupper() else value
+
+    extra = {k: placed(v) for k, v in extra.items()}
+    environ = {k: placed(v) if k.endswith("_FILE") else v for k, v in environ.items()}
+    with pytest.raises(ConfigError, match=complaint) as refused:
+        load_secret(extra, environ)
+    assert SECRET not in str(refused.value)
+
+
+def test_a_workers_config_never_shows_its_secret() -> None:
+    config = WorkerConfig(
+        engine_id="e",
+        side_channel_host="127.0.0.1",
+        side_channel_port=0,
+        secret=SECRET.encode(),
+        insecure=False,
+        ttl=1.0,
+        receive_timeout=1.0,
+        transport="loopback",
+        model_fingerprint="m",
+    )
+    assert SECRET not in repr(config)
+    assert SECRET not in str(config)

@@ -496,14 +496,14 @@ def _run(options: DemoOptions, console: Console) -> int:
         )
     )
 
-    secret = secrets.token_hex(16)
     common = {
         "kv_connector": "KvPushConnector",
         "kv_connector_module_path": "kvpush.vllm",
         "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"secret": secret},
     }
-    env = {"KVPUSH_TIMELINE_DIR": str(timeline_dir)}
+    # The secret goes in the environment: kvpush refuses it in the connector's config, which
+    # vLLM logs and any user can read on the command line (/proc/*/cmdline).
+    env = {"KVPUSH_TIMELINE_DIR": str(timeline_dir), "KVPUSH_SECRET": secrets.token_hex(16)}
     max_model_len = max(4096, max(options.lengths) + options.max_tokens)
     prefill = VllmServer(
         "P",

@@ -76,8 +76,9 @@ def _redact_json(value: Any) -> Any:
 
 
 def redact_command(args: list[str]) -> list[str]:
-    """``args`` as they may be logged: secrets inside JSON-valued flags (the connector's
-    ``kv_connector_extra_config.secret``) replaced by :data:`REDACTED`."""
+    """``args`` as they may be logged: secrets inside JSON-valued flags (a connector's extra
+    config holding a ``secret``, ``token`` or ``password``; kvpush's refuses one and takes it
+    from the environment) replaced by :data:`REDACTED`."""
     shown = []
     for arg in args:
         try:

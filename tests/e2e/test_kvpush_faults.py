@@ -39,7 +39,7 @@ from tests.e2e.harness import (
     push_completion,
     running,
 )
-from tests.e2e.test_kvpush_pair import kvpush_config
+from tests.e2e.test_kvpush_pair import kvpush_config, kvpush_env
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
 
 pytestmark = ON_VLLM
@@ -55,15 +55,15 @@ FAIL_DEADLINE = PEER_TIMEOUT + HORIZON + 10.0
 PROMPTS = (1500, 700, 900)
 
 
-def config(role: str, secret: str, **extra: Any) -> dict[str, object]:
+def config(role: str, **extra: Any) -> dict[str, object]:
     """``test_kvpush_pair``'s connector config with short timeouts (a horizon of seconds)."""
-    base = kvpush_config(role, secret)
+    base = kvpush_config(role)
     timeouts = {
         "peer_timeout": PEER_TIMEOUT,
         "heartbeat_interval": 0.4,
         "write_timeout": WRITE_TIMEOUT,
     }
-    return {**base, "kv_connector_extra_config": {"secret": secret, **timeouts}, **extra}
+    return {**base, "kv_connector_extra_config": timeouts, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -119,14 +119,16 @@ def test_p_killed_mid_request(
         tiny_model,
         logs,
         cpu="0",
-        kv_transfer_config={**config("kv_producer", secret), "engine_id": PREFILL_ENGINE_ID},
+        kv_transfer_config={**config("kv_producer"), "engine_id": PREFILL_ENGINE_ID},
+        extra_env=kvpush_env(secret),
     )
     decode = VllmServer(
         f"decode-{policy}",
         tiny_model,
         logs,
         cpu="1",
-        kv_transfer_config=config("kv_consumer", secret, kv_load_failure_policy=policy),
+        kv_transfer_config=config("kv_consumer", kv_load_failure_policy=policy),
+        extra_env=kvpush_env(secret),
         extra_args=["--no-enable-prefix-caching"],
     )
     with running(prefill, decode):
@@ -175,7 +177,8 @@ def test_two_d_replicas_sharing_an_engine_id_each_get_their_own_kv(
         tiny_model,
         logs,
         cpu="0",
-        kv_transfer_config={**config("kv_producer", secret), "engine_id": PREFILL_ENGINE_ID},
+        kv_transfer_config={**config("kv_producer"), "engine_id": PREFILL_ENGINE_ID},
+        extra_env=kvpush_env(secret),
     )
     replicas = [
         VllmServer(
@@ -183,7 +186,8 @@ def test_two_d_replicas_sharing_an_engine_id_each_get_their_own_kv(
             tiny_model,
             logs,
             cpu="1",
-            kv_transfer_config={**config("kv_consumer", secret), "engine_id": shared_id},
+            kv_transfer_config={**config("kv_consumer"), "engine_id": shared_id},
+            extra_env=kvpush_env(secret),
             extra_args=["--no-enable-prefix-caching"],
         )
         for i in range(2)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.harness import ON_VLLM, VllmServer, completion_token_ids, running
-from tests.e2e.test_kvpush_pair import kvpush_config
+from tests.e2e.test_kvpush_pair import kvpush_config, kvpush_env
 from tests.e2e.test_upstream_smoke import MAX_TOKENS, greedy_body, prompt_token_ids
 
 pytestmark = ON_VLLM
@@ -66,7 +66,8 @@ def test_kvpush_refuses_mamba_state_at_startup_with_the_reason(
         tiny_model,
         logs,
         cpu="0",
-        kv_transfer_config={**kvpush_config(role, secrets.token_hex(16)), "engine_id": role},
+        kv_transfer_config={**kvpush_config(role), "engine_id": role},
+        extra_env=kvpush_env(secrets.token_hex(16)),
         extra_args=SERVER_ARGS,
     )
     with pytest.raises(RuntimeError, match="exited") as refused, running(server, timeout_s=240):

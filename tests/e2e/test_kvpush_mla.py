@@ -45,6 +45,7 @@ from tests.e2e.test_kvpush_pair import (
     assert_same,
     behind_proxy,
     kvpush_config,
+    kvpush_env,
     single_answers,
 )
 from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
@@ -96,9 +97,10 @@ def pair(mla_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pai
         logs,
         cpu="0",
         kv_transfer_config={
-            **kvpush_config("kv_producer", secret),
+            **kvpush_config("kv_producer"),
             "engine_id": PREFILL_ENGINE_ID,
         },
+        extra_env=kvpush_env(secret),
         extra_args=MLA_ARGS,
     )
     decode = VllmServer(
@@ -106,7 +108,8 @@ def pair(mla_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pai
         mla_model,
         logs,
         cpu="1",
-        kv_transfer_config=kvpush_config("kv_consumer", secret),
+        kv_transfer_config=kvpush_config("kv_consumer"),
+        extra_env=kvpush_env(secret),
         extra_args=[*MLA_ARGS, "--no-enable-prefix-caching"],
     )
     with behind_proxy(prefill, decode, PREFILL_ENGINE_ID) as pair:

@@ -48,14 +48,19 @@ PREFILL_ENGINE_ID = "kvpush-e2e-prefill"
 P_BLOCK, D_BLOCK = (int(x) for x in os.environ.get("KVPUSH_E2E_BLOCKS", "128,128").split(","))
 
 
-def kvpush_config(role: str, secret: str) -> dict[str, object]:
+def kvpush_config(role: str) -> dict[str, object]:
     return {
         "kv_connector": "KvPushConnector",
         "kv_connector_module_path": "kvpush.vllm",
         "kv_role": role,
         "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"secret": secret},
     }
+
+
+def kvpush_env(secret: str) -> dict[str, str]:
+    """The shared secret where kvpush takes it: the environment (the connector refuses it in
+    its config, which vLLM logs and every user can read on the command line)."""
+    return {"KVPUSH_SECRET": secret}
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +144,8 @@ def kvpush_servers(
         model,
         logs,
         cpu="0",
-        kv_transfer_config={**kvpush_config("kv_producer", secret), "engine_id": engine_id},
+        kv_transfer_config={**kvpush_config("kv_producer"), "engine_id": engine_id},
+        extra_env=kvpush_env(secret),
         extra_args=["--block-size", str(blocks[0])],
     )
     decode = VllmServer(
@@ -147,7 +153,8 @@ def kvpush_servers(
         model,
         logs,
         cpu="1",
-        kv_transfer_config=kvpush_config("kv_consumer", secret),
+        kv_transfer_config=kvpush_config("kv_consumer"),
+        extra_env=kvpush_env(secret),
         extra_args=["--no-enable-prefix-caching", "--block-size", str(blocks[1])],
     )
     return prefill, decode

@@ -32,6 +32,7 @@ from tests.e2e.test_kvpush_pair import (
     assert_sequential,
     behind_proxy,
     kvpush_config,
+    kvpush_env,
     single_answers,
 )
 from tests.e2e.test_upstream_smoke import prompt_token_ids
@@ -58,9 +59,8 @@ TIMEOUTS = {
 BLOCK = "128"
 
 
-def config(role: str, secret: str) -> dict[str, object]:
-    base = kvpush_config(role, secret)
-    return {**base, "kv_connector_extra_config": {"secret": secret, **TIMEOUTS}}
+def config(role: str) -> dict[str, object]:
+    return {**kvpush_config(role), "kv_connector_extra_config": TIMEOUTS}
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +85,10 @@ def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pa
         logs,
         cpu="0|1",
         kv_transfer_config={
-            **config("kv_producer", secret),
+            **config("kv_producer"),
             "engine_id": PREFILL_ENGINE_ID,
         },
+        extra_env=kvpush_env(secret),
         extra_args=["--tensor-parallel-size", "2", "--block-size", BLOCK],
     )
     decode = VllmServer(
@@ -95,7 +96,8 @@ def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pa
         tiny_model,
         logs,
         cpu="1",
-        kv_transfer_config=config("kv_consumer", secret),
+        kv_transfer_config=config("kv_consumer"),
+        extra_env=kvpush_env(secret),
         extra_args=["--no-enable-prefix-caching", "--block-size", BLOCK],
     )
     with behind_proxy(prefill, decode, PREFILL_ENGINE_ID, tp=2, timeout_s=420.0) as pair:

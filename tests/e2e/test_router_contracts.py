@@ -11,7 +11,8 @@ log-probabilities within 1e-3), sequentially and concurrently, and every prompt 
 from P (D's ``source="p2p"`` prompt-token counter).
 
 A router's bad kv_transfer_params fail alone: sent straight to D with ``do_remote_prefill`` and
-no, malformed or contradictory coordinates (or kv_transfer_params that are not an object), each
+no, malformed or contradictory coordinates (``Infinity`` as a port or TP size included, which
+once killed D's engine; or kv_transfer_params that are not an object), each
 request gets either the single server's answer from a local prefill (vLLM's contract lets a
 connector match nothing) or an HTTP error of its own, while a good disaggregated request runs
 beside them; afterwards D still serves disaggregated requests, answers ``/health``, and its log
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,7 +43,6 @@ from tests.e2e.routers import (
     LlmdPushDispatch,
     Routed,
     VllmPushDemoProxy,
-    post_completion,
 )
 from tests.e2e.test_kvpush_pair import (
     assert_same,
@@ -227,16 +228,32 @@ LOCAL_PREFILL_CASES: tuple[tuple[str, JSON, str], ...] = (
         remote_prefill(remote_engine_id=None, remote_host=None, remote_port=None),
         "lack remote_host, remote_port",
     ),
-    ("remote_port 'abc'", remote_prefill(remote_host=HOST, remote_port="abc"), "integers"),
+    (
+        "remote_port 'abc'",
+        remote_prefill(remote_host=HOST, remote_port="abc"),
+        "remote_port must be an integer",
+    ),
     ("tp_size 0", remote_prefill(remote_host=HOST, remote_port="{port}", tp_size=0), "tp_size 0"),
     (
         "tp_size 'two'",
         remote_prefill(remote_host=HOST, remote_port="{port}", tp_size="two"),
-        "integers",
+        "tp_size must be an integer",
     ),
     ("pp_size 2", remote_prefill(remote_host=HOST, remote_port="{port}", pp_size=2), "pp_size 2"),
     ("remote_port 70000", remote_prefill(remote_host=HOST, remote_port=70_000), "TCP port"),
     ("remote_host a list", remote_prefill(remote_host=[HOST], remote_port="{port}"), "host name"),
+    # The two that killed D's EngineCore (an OverflowError inside vLLM's scheduler): Infinity is
+    # valid JSON to Python's parser, and straight_to_d sends it as that text.
+    (
+        "remote_port Infinity",
+        remote_prefill(remote_host=HOST, remote_port=math.inf),
+        "remote_port must be an integer, not inf (float)",
+    ),
+    (
+        "tp_size Infinity",
+        remote_prefill(remote_host=HOST, remote_port="{port}", tp_size=math.inf),
+        "tp_size must be an integer, not inf (float)",
+    ),
 )
 #: kv_transfer_params vLLM itself refuses (its request model wants an object).
 REFUSED_CASES: tuple[tuple[str, Any], ...] = (
@@ -253,11 +270,16 @@ def with_port(params: JSON, port: int) -> JSON:
 
 
 async def straight_to_d(session: aiohttp.ClientSession, decode: VllmServer, body: JSON) -> Any:
-    """D's answer to ``body``, or the :class:`LegError` it answered with."""
-    try:
-        return await post_completion(session, decode.url, body)
-    except LegError as error:
-        return error
+    """D's answer to ``body``, or the :class:`LegError` it answered with. The body goes as the
+    JSON text Python writes, ``Infinity`` and ``NaN`` included (any client can send them, and
+    vLLM's parser reads them)."""
+    text = json.dumps(body, allow_nan=True)
+    headers = {"Content-Type": "application/json"}
+    async with session.post(f"{decode.url}/v1/completions", data=text, headers=headers) as answer:
+        payload = await answer.text()
+        if answer.status != 200:
+            return LegError(decode.url, answer.status, payload)
+        return json.loads(payload)
 
 
 def test_bad_router_params_fail_alone_and_d_keeps_serving(

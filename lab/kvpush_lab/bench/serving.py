@@ -159,16 +159,12 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def _kv_config(connector: str, role: str, secret: str) -> dict[str, Any] | None:
+def _kv_config(connector: str, role: str) -> dict[str, Any] | None:
     if connector == NO_CONNECTOR:
         return None
     config: dict[str, Any] = {"kv_role": role, "kv_buffer_device": "cpu"}
     if connector == KVPUSH:
-        config.update(
-            kv_connector="KvPushConnector",
-            kv_connector_module_path="kvpush.vllm",
-            kv_connector_extra_config={"secret": secret},
-        )
+        config.update(kv_connector="KvPushConnector", kv_connector_module_path="kvpush.vllm")
     else:
         config["kv_connector"] = connector
     config["engine_id"] = PREFILL_ENGINE if role == "kv_producer" else DECODE_ENGINE
@@ -218,7 +214,12 @@ class ServingBench:
         return self.result
 
     def _servers(self, connector: str, log_dir: Path) -> tuple[VllmServer, VllmServer]:
-        env = {"KVPUSH_TIMELINE_DIR": str(log_dir / "timelines")} if connector == KVPUSH else {}
+        # kvpush takes its secret from the environment (it refuses one in the connector's config).
+        env = (
+            {"KVPUSH_TIMELINE_DIR": str(log_dir / "timelines"), "KVPUSH_SECRET": self.secret}
+            if connector == KVPUSH
+            else {}
+        )
         common: dict[str, Any] = {
             "max_model_len": self.config.max_model_len,
             "block_size": BLOCK_SIZE,
@@ -230,7 +231,7 @@ class ServingBench:
             self.model,
             log_dir,
             cpu="0",
-            kv_transfer_config=_kv_config(connector, "kv_producer", self.secret),
+            kv_transfer_config=_kv_config(connector, "kv_producer"),
             **common,
         )
         decode = VllmServer(
@@ -238,7 +239,7 @@ class ServingBench:
             self.model,
             log_dir,
             cpu="1",
-            kv_transfer_config=_kv_config(connector, "kv_consumer", self.secret),
+            kv_transfer_config=_kv_config(connector, "kv_consumer"),
             extra_args=["--no-enable-prefix-caching"],
             **common,
         )

@@ -7,7 +7,8 @@ it. What crosses from the scheduler to the workers each step is a :class:`PushMe
   until the workers report the send finished); ``aborts``: a prefill that ended without KV to
   send (D is told at once).
 * D: ``recvs``: blocks allocated for a remote prefill, to register with P; ``cancels``: a
-  request aborted while waiting for its KV.
+  request aborted while waiting for its KV; ``refused``: a remote prefill vLLM waits for that
+  cannot be registered (the workers report it failed, so ``kv_load_failure_policy`` applies).
 
 Block lists are per KV cache group, for the groups kvpush moves (:class:`CacheGroups`), each
 with the token its first block starts at: D lists its uncached blocks, P its computed ones, and
@@ -16,7 +17,8 @@ null block before it), so P and D name the same tokens of every group.
 
 kv_transfer_params are vLLM's push-proxy contract (``do_remote_prefill``, ``do_remote_decode``,
 ``remote_engine_id``, ``remote_host``, ``remote_port``, ``tp_size``, ``pp_size``,
-``remote_request_id``, ``transfer_id``), so an unchanged push router drives kvpush.
+``remote_request_id``, ``transfer_id``), so an unchanged push router drives kvpush; every hook
+reads them through :func:`kvpush.vllm._params.parse_params`.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.vllm._layout import CacheGroups, window_start
-
-REQUIRED_D_PARAMS = ("remote_host", "remote_port")
+from kvpush.vllm._params import Refused, RemoteDecode, parse_params
 
 logger = logging.getLogger("vllm.kvpush")
 
@@ -72,6 +73,18 @@ class RecvRequest:
     decided_at: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True)
+class RecvRefused:
+    """D: a remote prefill vLLM already waits for (its blocks are allocated) that the scheduler
+    cannot register: every worker reports it finished and failed, so vLLM's
+    ``kv_load_failure_policy`` decides (recompute it locally, or fail it)."""
+
+    request_id: str
+    #: The request's allocated blocks, all groups (load errors where vLLM takes them).
+    blocks: tuple[int, ...]
+    reason: str
+
+
 @dataclass
 class PushMetadata:
     """One step's instructions from the scheduler to every worker."""
@@ -80,64 +93,25 @@ class PushMetadata:
     aborts: list[tuple[str, str | None]] = field(default_factory=list)
     recvs: list[RecvRequest] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    refused: list[RecvRefused] = field(default_factory=list)
     #: The step computes nothing (every request waits for its KV, or for P to finish sending):
     #: the workers may wait for transfer events instead of letting the engine spin.
     idle: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.sends or self.aborts or self.recvs or self.cancels)
-
-
-@dataclass(frozen=True)
-class RemoteSource:
-    """Where D finds P, as a request's kv_transfer_params name it."""
-
-    host: str
-    port: int
-    tp_size: int
-
-
-def remote_source(params: Mapping[str, Any]) -> RemoteSource | str:
-    """P's coordinates from ``params``, or what is wrong with them (for the request's log line).
-
-    Everything a router sends is checked here, before vLLM reserves a single block for the
-    remote prefill: a bad request must fail alone, never inside the engine's step, where an
-    exception kills the engine and every request it serves.
-    """
-    missing = [key for key in REQUIRED_D_PARAMS if params.get(key) in (None, "")]
-    if missing:
-        return (
-            f"kv_transfer_params lack {', '.join(missing)}: the router must send P's side "
-            "channel host and port with do_remote_prefill (the fields of P's own answer)"
-        )
-    host = params["remote_host"]
-    if not isinstance(host, str):
-        return f"remote_host must be a host name or address, not {host!r}"
-    try:
-        port = int(params["remote_port"])
-        tp_size = 1 if params.get("tp_size") is None else int(params["tp_size"])
-        pp_size = 1 if params.get("pp_size") is None else int(params["pp_size"])
-    except (TypeError, ValueError) as error:
-        return f"remote_port, tp_size and pp_size must be integers ({error})"
-    if not 0 < port < 65_536:
-        return f"remote_port {port} is not a TCP port"
-    if tp_size < 1:
-        return f"tp_size {tp_size} must be at least 1"
-    if pp_size != 1:
-        # A kvpush P refuses pipeline stages at startup, so this P is not kvpush's or the
-        # router mixed up its fields: D would wait for stages that never write.
-        return f"pp_size {pp_size}: kvpush pairs with single-stage prefill engines only"
-    return RemoteSource(host, port, tp_size)
-
-
-def _transfer_id(params: Mapping[str, Any]) -> str | None:
-    value = params.get("transfer_id")
-    return str(value) if value else None
+        return bool(self.sends or self.aborts or self.recvs or self.cancels or self.refused)
 
 
 class PushScheduler:
     """Per-request decisions of the scheduler role (P and D alike: a ``kv_both`` engine is
-    both)."""
+    both).
+
+    Nothing here raises into vLLM's scheduler for one request's sake: kv_transfer_params are
+    read by :func:`parse_params` (a bad request is refused with the reason), and each hook's
+    failure, whatever its cause, has a handler here (``*_failed``) that the connector calls, so
+    that the request alone prefills locally or fails. State changes come last in every method,
+    after everything that could raise.
+    """
 
     def __init__(
         self, identity: Mapping[str, Any] | None = None, groups: CacheGroups | None = None
@@ -151,38 +125,68 @@ class PushScheduler:
         self._pending = PushMetadata()
         self._sending: set[str] = set()
         self._receiving: set[str] = set()
+        #: D: requests whose remote prefill is settled (registered once, refused, failed, or
+        #: not needed after all): asked again (vLLM retries a request it could not schedule,
+        #: re-admits a preempted or recomputed one), they match nothing and log nothing, even
+        #: where their params cannot be marked (``do_remote_prefill`` cleared). Until the
+        #: request finishes.
+        self._settled: set[str] = set()
+
+    # ---- every request ----------------------------------------------------------------------
+
+    def admit(self, request_id: str, params: object) -> bool:
+        """A new request: False when its kv_transfer_params are no object at all, which vLLM's
+        own scheduler reads as a dict right after this (``.get``): the request then goes on
+        without them, as a plain one, and the refusal is logged once."""
+        if params is None or isinstance(params, Mapping):
+            return True
+        refused = parse_params(params).remote_prefill
+        reason = refused.reason if isinstance(refused, Refused) else "not an object"
+        logger.warning(
+            "kvpush: request %s: %s; serving it as a request without them", request_id, reason
+        )
+        return False
+
+    def admit_failed(self, request_id: str, error: Exception) -> None:
+        """``on_new_request`` failed for this request: it goes on, its params as they are."""
+        logger.error("kvpush: request %s: %s", request_id, _unexpected(error), exc_info=error)
 
     # ---- D --------------------------------------------------------------------------------
 
-    @staticmethod
     def external_tokens(
+        self,
         request_id: str,
-        params: dict[str, Any] | None,
+        params: object,
         prompt_tokens: int,
         num_computed: int,
     ) -> tuple[int, bool]:
         """How many prompt tokens P will write (loaded asynchronously), after D's local hit.
 
-        A remote prefill whose kv_transfer_params do not say where P is falls back to a local
-        prefill (0 tokens from P), with a warning naming the request: vLLM's contract lets a
-        connector match nothing, and one bad request must not stop the others.
+        A remote prefill whose kv_transfer_params kvpush refuses (:func:`parse_params`) falls
+        back to a local prefill (0 tokens from P), logged once with the request and the reason:
+        vLLM's contract lets a connector match nothing, and one bad request must not stop the
+        others.
         """
-        if not params or not params.get("do_remote_prefill"):
+        if request_id in self._settled:
             return 0, False
-        source = remote_source(params)
-        if isinstance(source, str):
-            logger.warning(
-                "kvpush: request %s: %s; prefilling it locally instead", request_id, source
-            )
-            params["do_remote_prefill"] = False
+        asked = parse_params(params).remote_prefill
+        if asked is None:
+            return 0, False
+        if isinstance(asked, Refused):
+            self._prefill_locally(request_id, params, asked.reason)
             return 0, False
         count = prompt_tokens - num_computed
         return (count, True) if count > 0 else (0, False)
 
+    def match_failed(self, request_id: str, params: object, error: Exception) -> tuple[int, bool]:
+        """``get_num_new_matched_tokens`` failed for this request: it prefills locally."""
+        self._prefill_locally(request_id, params, _unexpected(error), error)
+        return 0, False
+
     def allocated(
         self,
         request_id: str,
-        params: dict[str, Any] | None,
+        params: object,
         uncached_blocks: Sequence[Sequence[int]],
         num_computed: int,
         prompt_tokens: int,
@@ -191,29 +195,98 @@ class PushScheduler:
         """D's blocks for a remote prefill are allocated: register them with P this step.
 
         ``params["do_remote_prefill"]`` is cleared so a re-entry (preemption) never registers
-        twice with the same epoch. Only params that :meth:`external_tokens` accepted get here
-        with external tokens.
+        twice with the same epoch. vLLM waits for the KV of every request it allocated external
+        tokens for: one that cannot be registered is refused to the workers
+        (:class:`RecvRefused`), which report it failed.
         """
-        if not params or not params.get("do_remote_prefill") or num_external <= 0:
+        asked = parse_params(params).remote_prefill
+        if asked is None or request_id in self._settled:
             return
-        source = remote_source(params)
-        assert not isinstance(source, str), f"request {request_id}: {source}"
-        params["do_remote_prefill"] = False
-        self._receiving.add(request_id)
+        if num_external <= 0:
+            # Nothing to load after all (a local hit covered it, or vLLM trimmed the match):
+            # the request computes its prompt here, now and after any preemption.
+            self._settle(request_id, params)
+            return
+        if isinstance(asked, Refused):
+            self._refuse_recv(request_id, params, uncached_blocks, asked.reason)
+            return
         blocks = self._moved(uncached_blocks)
-        self._pending.recvs.append(
-            RecvRequest(
-                request_id=request_id,
-                transfer_id=_transfer_id(params),
-                remote_host=source.host,
-                remote_port=source.port,
-                remote_tp_size=source.tp_size,
-                blocks=blocks,
-                first_token=num_computed,
-                num_tokens=prompt_tokens,
-                first_tokens=self._uncached_starts(blocks, num_computed, prompt_tokens),
-            )
+        recv = RecvRequest(
+            request_id=request_id,
+            transfer_id=asked.transfer_id,
+            remote_host=asked.host,
+            remote_port=asked.port,
+            remote_tp_size=asked.tp_size,
+            blocks=blocks,
+            first_token=num_computed,
+            num_tokens=prompt_tokens,
+            first_tokens=self._uncached_starts(blocks, num_computed, prompt_tokens),
         )
+        self._settle(request_id, params)
+        self._receiving.add(request_id)
+        self._pending.recvs.append(recv)
+
+    def alloc_failed(
+        self,
+        request_id: str,
+        params: object,
+        num_external: int,
+        error: Exception,
+        uncached_blocks: Sequence[Sequence[int]] = (),
+    ) -> None:
+        """``update_state_after_alloc`` failed for this request: if vLLM waits for its KV, the
+        workers report the receive failed; otherwise it prefills locally."""
+        if request_id in self._receiving:
+            logger.error(
+                "kvpush: request %s: %s after its registration was queued; it stands",
+                request_id,
+                _unexpected(error),
+                exc_info=error,
+            )
+            return
+        if num_external > 0:
+            self._refuse_recv(request_id, params, uncached_blocks, _unexpected(error), error)
+        else:
+            self._prefill_locally(request_id, params, _unexpected(error), error)
+
+    def _prefill_locally(
+        self, request_id: str, params: object, reason: str, error: Exception | None = None
+    ) -> None:
+        if request_id not in self._settled:
+            logger.warning(
+                "kvpush: request %s: %s; prefilling it locally instead",
+                request_id,
+                reason,
+                exc_info=error,
+            )
+        self._settle(request_id, params)
+
+    def _refuse_recv(
+        self,
+        request_id: str,
+        params: object,
+        uncached_blocks: Sequence[Sequence[int]],
+        reason: str,
+        error: Exception | None = None,
+    ) -> None:
+        try:
+            blocks = tuple(int(b) for group in uncached_blocks for b in group)
+        except Exception:  # vLLM's lists; the failure is reported without them
+            blocks = ()
+        logger.warning(
+            "kvpush: request %s: %s; its KV load fails, and vLLM's kv_load_failure_policy "
+            "decides (recompute: prefilled locally; fail: an error for this request)",
+            request_id,
+            reason,
+            exc_info=error,
+        )
+        self._settle(request_id, params)
+        self._pending.refused.append(RecvRefused(request_id, blocks, reason))
+
+    def _settle(self, request_id: str, params: object) -> None:
+        """The request's remote prefill is over: it computes what it lacks here from now on."""
+        self._settled.add(request_id)
+        _clear_remote_prefill(params)
 
     def _moved(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         if self._groups is None:
@@ -245,26 +318,38 @@ class PushScheduler:
     def finished(
         self,
         request_id: str,
-        params: dict[str, Any] | None,
+        params: object,
         finished_normally: bool,
         blocks: Sequence[Sequence[int]],
         prompt_tokens: int,
     ) -> tuple[bool, dict[str, Any] | None]:
-        """A request finished; returns vLLM's ``(delay_free_blocks, kv_transfer_params)``."""
-        if not params:
-            return False, None
+        """A request finished; returns vLLM's ``(delay_free_blocks, kv_transfer_params)``.
+
+        P offers the KV of a prefill that finished normally to D, keeping its blocks until the
+        workers report the send over; a prefill that ended otherwise is aborted (D is told).
+        """
+        refused_before = request_id in self._settled
+        self._settled.discard(request_id)
         if request_id in self._receiving:
-            # D: aborted while waiting for its KV. The scheduler keeps the blocks until the
-            # workers report the receive finished, which they do once P confirmed the cancel.
+            # D: aborted while waiting for its KV. vLLM keeps the blocks until the workers
+            # report the receive finished, which they do once P confirmed the cancel.
             self._pending.cancels.append(request_id)
             return False, None
-        if not params.get("do_remote_decode"):
+        parsed = parse_params(params)
+        asked = parsed.remote_decode
+        if asked is None:
             return False, None
-        transfer_id = _transfer_id(params)
+        if isinstance(asked, Refused):
+            # Params that are no object at all were refused, and logged, as a remote prefill.
+            if not (refused_before and parsed.remote_prefill == asked):
+                logger.warning(
+                    "kvpush: request %s: %s; its KV is not offered to D", request_id, asked.reason
+                )
+            return False, None
+        transfer_id = asked.transfer_id
         if not finished_normally or not any(blocks):
             self._pending.aborts.append((request_id, transfer_id))
             return False, None
-        self._sending.add(request_id)
         moved = self._moved(blocks)
         if self._groups is None:
             first_tokens: tuple[int, ...] = ()
@@ -274,28 +359,55 @@ class PushScheduler:
             starts = [window_start(group, self._groups.block_size) for group in moved]
             first_tokens = tuple(start for start, _ in starts)
             moved = tuple(kept for _, kept in starts)
-        self._pending.sends.append(
-            SendRequest(
-                request_id=request_id,
-                transfer_id=transfer_id,
-                blocks=moved,
-                num_tokens=prompt_tokens,
-                first_tokens=first_tokens,
-            )
+        send = SendRequest(
+            request_id=request_id,
+            transfer_id=transfer_id,
+            blocks=moved,
+            num_tokens=prompt_tokens,
+            first_tokens=first_tokens,
         )
-        return True, {
+        answer = {
             **self._identity,
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "transfer_mode": "push",
             **({"transfer_id": transfer_id} if transfer_id else {}),
         }
+        self._sending.add(request_id)
+        self._pending.sends.append(send)
+        return True, answer
+
+    def finish_failed(
+        self, request_id: str, params: object, error: Exception
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` failed for this request: nothing is sent, its blocks are freed
+        (P; D is told when the transfer id is known), or kept until the cancel is confirmed
+        (D, waiting for its KV)."""
+        self._settled.discard(request_id)
+        if request_id in self._receiving:
+            self._pending.cancels.append(request_id)
+            return False, None
+        asked = parse_params(params).remote_decode
+        told = ""
+        if isinstance(asked, RemoteDecode):
+            self._pending.aborts.append((request_id, asked.transfer_id))
+            told = "; D is told"
+        logger.error(
+            "kvpush: request %s: %s; its KV is not sent%s",
+            request_id,
+            _unexpected(error),
+            told,
+            exc_info=error,
+        )
+        return False, None
 
     # ---- every step -----------------------------------------------------------------------
 
-    def take_metadata(self) -> PushMetadata:
-        """This step's instructions; the next step starts empty."""
+    def take_metadata(self, idle: bool = False) -> PushMetadata:
+        """This step's instructions (``idle``: the step computes nothing); the next step starts
+        empty."""
         metadata, self._pending = self._pending, PushMetadata()
+        metadata.idle = idle
         return metadata
 
     def transfers_finished(self, sending: set[str], recving: set[str]) -> None:
@@ -306,3 +418,18 @@ class PushScheduler:
     def has_pending_work(self) -> bool:
         """True while sends are unfinished: the engine must keep stepping to report them."""
         return bool(self._sending or self._pending)
+
+
+def _clear_remote_prefill(params: object) -> None:
+    """Marks a request's remote prefill as handled, as vLLM's NIXL connectors do (a router
+    reading the request back sees it was not a pending remote prefill)."""
+    if isinstance(params, dict) and params.get("do_remote_prefill", False) is not False:
+        params["do_remote_prefill"] = False
+
+
+def _unexpected(error: BaseException) -> str:
+    """A hook's unexpected failure, for the request's log line (the traceback follows it)."""
+    detail = str(error)
+    if len(detail) > 300:
+        detail = detail[:297] + "..."
+    return f"kvpush failed on it ({type(error).__name__}: {detail}); please report this"

@@ -8,17 +8,25 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import kvpush
-from kvpush.exceptions import BusyError, KvPushError, LayoutError
+from kvpush.exceptions import (
+    BusyError,
+    ConfigError,
+    KvPushError,
+    LayoutError,
+    RendezvousError,
+    TransportError,
+    UnhealthyError,
+)
 from kvpush.vllm import _stats
 from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches, sources_of
-from kvpush.vllm._scheduler import PushMetadata, RecvRequest
+from kvpush.vllm._scheduler import PushMetadata, RecvRefused, RecvRequest, SendRequest
 
 logger = logging.getLogger("vllm.kvpush")
 
@@ -101,7 +109,8 @@ class WorkerConfig:
     engine_id: str
     side_channel_host: str
     side_channel_port: int
-    secret: bytes | None
+    #: The shared secret (:func:`load_secret`); never in a repr, so never in a log line.
+    secret: bytes | None = field(repr=False)
     #: Listen beyond loopback without a secret (``insecure`` / ``KVPUSH_INSECURE=1``).
     insecure: bool
     ttl: float
@@ -112,6 +121,55 @@ class WorkerConfig:
     write_timeout: float = 10.0
     peer_timeout: float = 5.0
     heartbeat_interval: float = 1.0
+
+
+#: The shared secret itself, or the path of a file that holds it.
+SECRET_ENV = "KVPUSH_SECRET"
+SECRET_FILE_ENV = "KVPUSH_SECRET_FILE"
+
+
+def load_secret(extra: Mapping[str, object], environ: Mapping[str, str]) -> bytes | None:
+    """The shared secret, from the environment (``KVPUSH_SECRET``) or a file (option
+    ``secret_file`` or ``KVPUSH_SECRET_FILE``; surrounding whitespace, such as the newline
+    ``openssl rand -hex 32 >FILE`` ends it with, is not part of it); None when neither is set.
+
+    Never from ``kv_connector_extra_config`` itself: vLLM logs that config at every start, and a
+    command line is readable by every user of the host (``/proc/*/cmdline``). Refused at
+    startup, with what to do instead; no message carries the secret.
+    """
+    if "secret" in extra:
+        raise ConfigError(
+            "kv_connector_extra_config.secret is refused: vLLM logs kv_transfer_config at every "
+            "start and the command line is readable by every user of the host "
+            f"(/proc/*/cmdline). Remove it and give the secret in the environment ({SECRET_ENV}) "
+            f"or in a file readable by the server's user only (option secret_file, or "
+            f"{SECRET_FILE_ENV}: the file's path)"
+        )
+    path = extra.get("secret_file") or environ.get(SECRET_FILE_ENV)
+    from_env = environ.get(SECRET_ENV)
+    if path and from_env:
+        raise ConfigError(
+            f"both {SECRET_ENV} and a secret file ({path}) are set: give the secret one way"
+        )
+    if not path:
+        return from_env.encode() if from_env else None
+    if not isinstance(path, str):
+        raise ConfigError(f"secret_file must be a path, not a {type(path).__name__}")
+    try:
+        with open(path, "rb") as file:
+            secret = file.read().strip()
+            mode = os.fstat(file.fileno()).st_mode
+    except OSError as error:
+        raise ConfigError(f"secret file {path}: {error.strerror or error}") from None
+    if not secret:
+        raise ConfigError(f"secret file {path} is empty")
+    if mode & 0o077:
+        logger.warning(
+            "kvpush: secret file %s can be read by other users (mode %o); chmod 600 it",
+            path,
+            mode & 0o777,
+        )
+    return secret
 
 
 def compatibility(model_fingerprint: str, cache: CacheLayout) -> str:
@@ -134,7 +192,11 @@ class PushWorker:
         self._config = config
         self._model = model
         self._endpoint: kvpush.Endpoint | None = None
+        self._closed = False
         self._cache: CacheLayout | None = None
+        #: Transfers the endpoint took and vLLM waits for: each is reported once, when its
+        #: event comes (a refused one is reported at once and never enters these).
+        self._sending: set[str] = set()
         self._recv_blocks: dict[str, set[int]] = {}
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
@@ -155,9 +217,20 @@ class PushWorker:
 
     @property
     def endpoint(self) -> kvpush.Endpoint:
+        """The endpoint, for new work: refused before registration and after :meth:`close`
+        (a closed endpoint still takes a ``ready`` it has no registration for, and would never
+        report it)."""
+        if self._closed:
+            raise KvPushError("the connector is shut down: no new transfers")
         if self._endpoint is None:
             raise KvPushError("the connector's KV caches are not registered yet")
         return self._endpoint
+
+    @property
+    def _layout(self) -> CacheLayout:
+        if self._cache is None:
+            raise KvPushError("the connector's KV caches are not registered yet")
+        return self._cache
 
     def register(self, views: Sequence[TensorView], groups: Sequence[int] | None = None) -> None:
         """Starts the endpoint over the KV cache tensors (one per layer, in layer order), each
@@ -225,41 +298,22 @@ class PushWorker:
         )
 
     def apply(self, metadata: PushMetadata) -> None:
-        """Acts on one step's instructions. Never raises for one request's trouble: a refused
-        request is reported finished (and failed) so vLLM frees or recomputes it."""
-        endpoint = self.endpoint
-        assert self._cache is not None
+        """Acts on one step's instructions. Never raises: whatever the endpoint answers (a
+        refusal, an unhealthy writer, a closed endpoint, an unexpected error), that request
+        alone is reported finished (a receive also failed) so vLLM frees or recomputes it."""
         self._idle_step = metadata.idle
         for send in metadata.sends:
-            self._decided[send.request_id] = send.decided_at
-            try:
-                endpoint.ready(
-                    send.request_id,
-                    [list(group) for group in send.blocks],
-                    self._cache.tokens_to_write(send.num_tokens),
-                    transfer_id=send.transfer_id,
-                    first_tokens=list(send.first_tokens) or None,
-                    ttl=self._config.ttl,
-                )
-            except KvPushError as error:
-                # D cancelled or gave up first: nothing will be written, free the blocks now.
-                logger.info("kvpush: request %s not sent: %s", send.request_id, error)
-                self._decided.pop(send.request_id, None)
-                self._finished_sending.add(send.request_id)
+            self._ready(send)
         aborts, self._busy_aborts = [*self._busy_aborts, *metadata.aborts], []
         for request_id, transfer_id in aborts:
-            try:
-                endpoint.abort(request_id, transfer_id)
-            except BusyError:
-                self._busy_aborts.append((request_id, transfer_id))
+            self._abort(request_id, transfer_id)
         for recv in metadata.recvs:
-            self._expect(endpoint, recv)
+            self._expect(recv)
+        for refused in metadata.refused:
+            self._refused(refused)
         cancels, self._busy_cancels = [*self._busy_cancels, *metadata.cancels], []
         for request_id in cancels:
-            try:
-                endpoint.cancel(request_id)
-            except BusyError:
-                self._busy_cancels.append(request_id)
+            self._cancel(request_id)
         if self._busy_aborts or self._busy_cancels:
             logger.warning(
                 "kvpush: the endpoint's writer is behind; %d aborts and %d cancels wait for the "
@@ -268,38 +322,137 @@ class PushWorker:
                 len(self._busy_cancels),
             )
 
-    def _expect(self, endpoint: kvpush.Endpoint, recv: RecvRequest) -> None:
-        assert self._cache is not None
-        try:
-            sources = sources_of(self._model, self._cache, recv.remote_tp_size)
-        except LayoutError as error:
-            self._fail_recv(recv.request_id, [b for g in recv.blocks for b in g], str(error))
+    def _ready(self, send: SendRequest) -> None:
+        """P: the KV of a finished prefill may be written to D."""
+        request_id = send.request_id
+        if request_id in self._sending:
+            logger.error("kvpush: request %s offered twice; the first offer stands", request_id)
             return
-        # P's workers listen on consecutive ports from its base (one stage: base + tp rank).
         try:
-            endpoint.expect(
-                recv.request_id,
+            self.endpoint.ready(
+                request_id,
+                [list(group) for group in send.blocks],
+                self._layout.tokens_to_write(send.num_tokens),
+                transfer_id=send.transfer_id,
+                first_tokens=list(send.first_tokens) or None,
+                ttl=self._config.ttl,
+            )
+        except Exception as error:
+            # Refused before any WRITE was posted (D cancelled or gave up first, or the endpoint
+            # cannot take work): nothing will be written, so the blocks are freed now.
+            # D cancelling or giving up first (the rendezvous fenced it) is routine.
+            routine = isinstance(error, RendezvousError)
+            _log_failure(
+                error,
+                "kvpush: request %s not sent (its blocks are freed): %s",
+                request_id,
+                logging.INFO if routine else logging.WARNING,
+            )
+            self._finished_sending.add(request_id)
+            return
+        self._sending.add(request_id)
+        self._decided[request_id] = send.decided_at
+
+    def _abort(self, request_id: str, transfer_id: str | None) -> None:
+        """P: a prefill ended without KV to send; D is told if it registered. vLLM freed the
+        blocks already, so there is nothing to report."""
+        try:
+            self.endpoint.abort(request_id, transfer_id)
+        except BusyError:
+            # Nothing was done: the writer is far behind. Tried again with the next step's.
+            self._busy_aborts.append((request_id, transfer_id))
+        except Exception as error:
+            _log_failure(
+                error,
+                "kvpush: request %s: D could not be told that P has no KV for it (%s); D fails "
+                "or recomputes it when its receive times out",
+                request_id,
+            )
+
+    def _expect(self, recv: RecvRequest) -> None:
+        """D: register the blocks of a remote prefill with P."""
+        request_id = recv.request_id
+        blocks = [b for group in recv.blocks for b in group]
+        if request_id in self._recv_blocks:
+            logger.error("kvpush: request %s registered twice; the first stands", request_id)
+            return
+        try:
+            cache = self._layout
+            sources = sources_of(self._model, cache, recv.remote_tp_size)
+            # P's workers listen on consecutive ports from its base (one stage: base + tp rank).
+            self.endpoint.expect(
+                request_id,
                 [f"{recv.remote_host}:{recv.remote_port + rank}" for rank in sources.ranks],
                 [list(group) for group in recv.blocks],
-                self._cache.tokens_to_write(recv.num_tokens),
+                cache.tokens_to_write(recv.num_tokens),
                 transfer_id=recv.transfer_id,
                 first_tokens=list(recv.first_tokens) or [recv.first_token] * len(recv.blocks),
                 ttl=self._config.receive_timeout,
                 share=sources.share,
             )
-        except KvPushError as error:
-            # Nothing was registered (the writer is behind, or the request is out of range):
-            # the request fails alone, and `kv_load_failure_policy` applies.
-            self._fail_recv(recv.request_id, [b for g in recv.blocks for b in g], str(error))
+        except Exception as error:
+            # The endpoint checks before it sends anything to P: nothing was registered, so no
+            # write can land in these blocks.
+            self._fail_recv(request_id, blocks, _explain(error), error)
             return
-        self._recv_blocks[recv.request_id] = {b for g in recv.blocks for b in g}
-        self._decided[recv.request_id] = recv.decided_at
+        self._recv_blocks[request_id] = set(blocks)
+        self._decided[request_id] = recv.decided_at
 
-    def _fail_recv(self, request_id: str, blocks: Sequence[int], reason: str) -> None:
-        logger.warning("kvpush: KV for request %s not received: %s", request_id, reason)
+    def _refused(self, refused: RecvRefused) -> None:
+        """D: a remote prefill the scheduler could not register (it logged why)."""
+        if refused.request_id in self._recv_blocks:
+            logger.error(
+                "kvpush: request %s refused while registered; its receive stands",
+                refused.request_id,
+            )
+            return
+        self._fail_recv(refused.request_id, refused.blocks, refused.reason, logged=True)
+
+    def _cancel(self, request_id: str) -> None:
+        """D: a request aborted while waiting for its KV. Its receive is reported once the
+        endpoint confirms P will not write (the event of the cancel)."""
+        if request_id not in self._recv_blocks:
+            return  # reported already (failed or done in the same step as the abort)
+        try:
+            self.endpoint.cancel(request_id)
+        except BusyError:
+            # Nothing was done: the writer is far behind. Tried again with the next step's.
+            self._busy_cancels.append(request_id)
+        except Exception as error:
+            # No cancel reached P: its write may still land, so the blocks stay held until the
+            # endpoint reports the receive over (P done, failed, or its write horizon passed).
+            _log_failure(
+                error,
+                "kvpush: request %s: cancel not sent (%s); its blocks stay held until its "
+                "receive ends",
+                request_id,
+            )
+
+    def _fail_recv(
+        self,
+        request_id: str,
+        blocks: Sequence[int],
+        reason: str,
+        error: BaseException | None = None,
+        *,
+        logged: bool = False,
+    ) -> None:
+        """Reports a receive finished and failed, once, with its blocks as load errors where
+        vLLM takes them (one KV cache group: vLLM refuses block-level errors with several and
+        goes by ``failed_recving`` alone)."""
+        if not logged:
+            logger.warning(
+                "kvpush: KV for request %s not received: %s",
+                request_id,
+                reason,
+                exc_info=error if _is_unexpected(error) else None,
+            )
+        self._decided.pop(request_id, None)
         self._finished_recving.add(request_id)
         self._failed_recving.add(request_id)
-        self._load_errors.update(blocks)
+        groups = self._model.groups
+        if groups is None or groups.total == 1:
+            self._load_errors.update(blocks)
 
     def _record(self, event: kvpush.TransferEvent, decided: float | None, offset: float) -> None:
         """One timeline line, its times moved from the endpoint's clock to unix time (``offset``).
@@ -329,37 +482,66 @@ class PushWorker:
 
     def poll(self, wait: float = 0.0) -> None:
         """Collects the endpoint's events into the sets vLLM asks for, waiting up to ``wait``
-        seconds for the first one."""
-        offset = self._clock_offset
-        events = self.endpoint.wait(wait) if wait > 0 else self.endpoint.poll()
+        seconds for the first one. Only requests this worker tracks are reported, each once:
+        vLLM knows no other (its scheduler asserts it does)."""
+        endpoint = self._endpoint  # closed too: its last events (what it failed) still count
+        if endpoint is None:
+            return
+        try:
+            events = endpoint.wait(wait) if wait > 0 else endpoint.poll()
+        except Exception as error:
+            logger.error(
+                "kvpush: transfer events not collected this step: %s",
+                _explain(error),
+                exc_info=error if _is_unexpected(error) else None,
+            )
+            return
         for event in events:
-            if event.outcome == "quarantined":
-                # A notice, not the end: a WRITE may still be moving bytes (P stalled, a link
-                # cut, a peer that never confirmed), so the request is not reported finished and
-                # vLLM keeps its blocks allocated (a receive's even if the request is aborted).
-                # Its final event follows once the transport or P settles it, or never.
-                self._record(event, self._decided.get(event.request_id), offset)
-                _stats.observe(self._stats, event, None, offset)
-                logger.error(
-                    "kvpush: %s of %s quarantined, its KV blocks stay held until it settles: %s",
-                    event.role,
-                    event.request_id,
-                    event.reason,
-                )
-                continue
-            decided = self._decided.pop(event.request_id, None)
-            self._record(event, decided, offset)
-            _stats.observe(self._stats, event, decided, offset)
-            if event.role == "send":
-                if event.outcome == "failed":
-                    logger.warning("kvpush: send of %s failed: %s", event.request_id, event.reason)
-                self._finished_sending.add(event.request_id)
-                continue
-            blocks = self._recv_blocks.pop(event.request_id, set())
-            if event.outcome == "done":
-                self._finished_recving.add(event.request_id)
-            else:
-                self._fail_recv(event.request_id, sorted(blocks), event.reason or event.outcome)
+            quarantined = event.outcome == "quarantined"
+            # A quarantine notice is not the request's end: its final event keeps the decision.
+            decided = (self._decided.get if quarantined else self._decided.pop)(event.request_id)
+            try:
+                self._record(event, decided, self._clock_offset)
+                _stats.observe(self._stats, event, decided, self._clock_offset)
+            except Exception:
+                # A timeline or statistic lost, never the event: vLLM waits for its report.
+                logger.exception("kvpush: event of %s not recorded", event.request_id)
+            self._report(event)
+
+    def _report(self, event: kvpush.TransferEvent) -> None:
+        request_id = event.request_id
+        tracked = request_id in (self._sending if event.role == "send" else self._recv_blocks)
+        if not tracked:
+            logger.warning(
+                "kvpush: %s event (%s) for request %s, which this worker does not track; ignored",
+                event.role,
+                event.outcome,
+                request_id,
+            )
+            return
+        if event.outcome == "quarantined":
+            # A notice, not the end: a WRITE may still be moving bytes (P stalled, a link cut, a
+            # peer that never confirmed), so the request is not reported finished and vLLM keeps
+            # its blocks allocated (a receive's even if the request is aborted). Its final event
+            # follows once the transport or P settles it, or never: alert on these.
+            logger.error(
+                "kvpush: %s of %s quarantined, its KV blocks stay held until it settles: %s",
+                event.role,
+                request_id,
+                event.reason,
+            )
+            return
+        if event.role == "send":
+            if event.outcome == "failed":
+                logger.warning("kvpush: send of %s failed: %s", request_id, event.reason)
+            self._sending.discard(request_id)
+            self._finished_sending.add(request_id)
+            return
+        blocks = self._recv_blocks.pop(request_id)
+        if event.outcome == "done":
+            self._finished_recving.add(request_id)
+        else:
+            self._fail_recv(request_id, sorted(blocks), event.reason or event.outcome)
 
     def take_finished(self) -> tuple[set[str], set[str], set[str]]:
         """Sends finished, receives finished (failed ones included), receives failed.
@@ -369,7 +551,8 @@ class PushWorker:
         pause while a request waits for its KV, and would otherwise spin a core (on P, while
         the KV is sent) that the transfer itself may need. An event ends the wait at once.
         """
-        idle = self._idle_step and bool(self._decided) and not self._has_finished()
+        outstanding = bool(self._sending or self._recv_blocks)
+        idle = self._idle_step and outstanding and not self._has_finished()
         self._idle_step = False
         self.poll(IDLE_STEP_WAIT if idle else 0.0)
         out = (self._finished_sending, self._finished_recving, self._failed_recving)
@@ -393,9 +576,50 @@ class PushWorker:
         return errors
 
     def close(self) -> None:
-        if self._endpoint is not None:
-            stuck = self._endpoint.close()
-            if stuck is not None:
-                logger.error("kvpush: closing the endpoint: %s", stuck)
-        if self._timeline is not None:
-            self._timeline.close()
+        """Closes the endpoint (failing what is pending) and the timeline; never raises."""
+        self._closed = True
+        try:
+            if self._endpoint is not None:
+                stuck = self._endpoint.close()
+                if stuck is not None:
+                    logger.error("kvpush: closing the endpoint: %s", stuck)
+        except Exception:
+            logger.exception("kvpush: closing the endpoint failed")
+        try:
+            if self._timeline is not None:
+                self._timeline.close()
+        except OSError:
+            logger.exception("kvpush: closing the timeline failed")
+
+
+def _explain(error: BaseException) -> str:
+    """What an endpoint's refusal (or an unexpected error) means, for the request's log line."""
+    detail = str(error)
+    if len(detail) > 500:
+        detail = detail[:497] + "..."
+    if isinstance(error, UnhealthyError):
+        return f"the endpoint stopped taking work ({detail}); restart this server"
+    if isinstance(error, TransportError) and getattr(error, "code", None) == "closed":
+        return f"the endpoint is closed ({detail}): the server is shutting down"
+    if isinstance(error, KvPushError):
+        return f"{getattr(error, 'code', None) or type(error).__name__}: {detail}"
+    return f"unexpected {type(error).__name__}: {detail}; please report this (traceback follows)"
+
+
+def _is_unexpected(error: BaseException | None) -> bool:
+    """An error kvpush did not raise on purpose: logged with its traceback."""
+    return error is not None and not isinstance(error, KvPushError)
+
+
+def _log_failure(
+    error: BaseException, message: str, request_id: str, level: int = logging.WARNING
+) -> None:
+    """``message`` (``%s`` for the request id, then one for what went wrong) at ``level``; an
+    unexpected error with its traceback."""
+    logger.log(
+        level,
+        message,
+        request_id,
+        _explain(error),
+        exc_info=error if _is_unexpected(error) else None,
+    )

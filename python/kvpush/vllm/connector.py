@@ -10,13 +10,18 @@ or by name alone once kvpush is installed (it registers itself through vLLM's pl
 point). This class only translates: vLLM objects in, :mod:`kvpush.vllm._scheduler` and
 :mod:`kvpush.vllm._worker` decide and act, and their results go back through vLLM's own
 channels (``finished_sending``/``finished_recving``/``failed_recving`` and invalid block ids), so
-``kv_load_failure_policy`` applies to every failed receive.
+``kv_load_failure_policy`` applies to every failed receive. No hook raises into vLLM's engine
+for one request's sake: kv_transfer_params are read by :mod:`kvpush.vllm._params`, and a bad
+request, or an endpoint call that fails, fails that request alone (a local prefill, a failed
+receive, a send reported over).
 
 Options (``kv_connector_extra_config``): ``side_channel_host``/``side_channel_port`` (default:
 ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, as vLLM's NIXL connectors; worker ``r`` listens on
-port + r), ``secret`` (or env ``KVPUSH_SECRET``: HMAC-sign every control message and prove
-it both ways before any NIXL metadata moves; required to listen beyond loopback unless
-``insecure`` is true or ``KVPUSH_INSECURE=1``),
+port + r), ``secret_file`` (or env ``KVPUSH_SECRET_FILE``: the path of a file holding the shared
+secret; or the secret itself in env ``KVPUSH_SECRET``. It HMAC-signs every control message and
+is proven both ways before any NIXL metadata moves; required to listen beyond loopback unless
+``insecure`` is true or ``KVPUSH_INSECURE=1``. A ``secret`` option is refused at startup: vLLM
+logs this config at every start, and a command line is readable by every user of the host),
 ``kv_lease_duration`` (s P keeps finished KV for D, default 30), ``receive_timeout`` (s D waits
 for KV, default 120), ``write_timeout`` / ``peer_timeout`` / ``heartbeat_interval`` (s, defaults
 10 / 5 / 1: the write horizon, see docs/operations.md), ``transport`` (``nixl``, or ``loopback``
@@ -43,10 +48,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvpush.exceptions import KvPushError
 from kvpush.vllm import _stats
 from kvpush.vllm._layout import CacheGroups, Model, views_by_group
 from kvpush.vllm._scheduler import PushMetadata, PushScheduler
-from kvpush.vllm._worker import PushWorker, WorkerConfig
+from kvpush.vllm._worker import PushWorker, WorkerConfig, load_secret
 
 if TYPE_CHECKING:
     import torch
@@ -171,7 +177,6 @@ def _flag(value: object) -> bool:
 def _worker_config(vllm_config: VllmConfig) -> WorkerConfig:
     transfer = vllm_config.kv_transfer_config
     extra = transfer.kv_connector_extra_config or {}
-    secret = extra.get("secret") or os.environ.get("KVPUSH_SECRET")
     model = vllm_config.model_config
     return WorkerConfig(
         engine_id=str(transfer.engine_id),
@@ -182,7 +187,7 @@ def _worker_config(vllm_config: VllmConfig) -> WorkerConfig:
         side_channel_port=int(
             extra.get("side_channel_port") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 5600
         ),
-        secret=secret.encode() if isinstance(secret, str) else secret,
+        secret=load_secret(extra, os.environ),
         insecure=_flag(extra.get("insecure", os.environ.get("KVPUSH_INSECURE", ""))),
         ttl=float(extra.get("kv_lease_duration", 30.0)),
         write_timeout=float(extra.get("write_timeout", 10.0)),
@@ -255,45 +260,73 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return "LBHNC"
 
     # ---- scheduler role -------------------------------------------------------------------
+    #
+    # Every hook below runs inside vLLM's engine step, where an exception kills the engine and
+    # every request on it. Each one hands plain values to PushScheduler, and any failure, with
+    # its request, to PushScheduler's handler for that hook, which decides what happens to that
+    # request alone (prefill it locally, fail its KV load, free its blocks).
 
-    @property
-    def _sched(self) -> PushScheduler:
-        assert self._scheduler is not None, "scheduler-role method called on a worker"
-        return self._scheduler
+    def on_new_request(self, request: Request) -> None:
+        sched = self._scheduler
+        if sched is None:
+            return
+        try:
+            if not sched.admit(request.request_id, request.kv_transfer_params):
+                request.kv_transfer_params = None
+        except Exception as error:
+            sched.admit_failed(request.request_id, error)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        prompt = len(request.prompt_token_ids or ())
-        return self._sched.external_tokens(
-            request.request_id, request.kv_transfer_params, prompt, num_computed_tokens
-        )
+        sched = self._scheduler
+        if sched is None:
+            return 0, False
+        request_id, params = request.request_id, request.kv_transfer_params
+        try:
+            prompt = len(request.prompt_token_ids or ())
+            return sched.external_tokens(request_id, params, prompt, num_computed_tokens)
+        except Exception as error:
+            return sched.match_failed(request_id, params, error)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
+        sched = self._scheduler
+        if sched is None:
             return
-        self._sched.allocated(
-            request.request_id,
-            params,
-            blocks.get_unhashed_block_ids_all_groups(),
-            request.num_computed_tokens,
-            len(request.prompt_token_ids or ()),
-            num_external_tokens,
-        )
+        request_id, params = request.request_id, request.kv_transfer_params
+        uncached: Sequence[Sequence[int]] = ()
+        try:
+            if num_external_tokens > 0:
+                uncached = blocks.get_unhashed_block_ids_all_groups()
+            sched.allocated(
+                request_id,
+                params,
+                uncached,
+                request.num_computed_tokens,
+                len(request.prompt_token_ids or ()),
+                num_external_tokens,
+            )
+        except Exception as error:
+            sched.alloc_failed(request_id, params, num_external_tokens, error, uncached)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        metadata = self._sched.take_metadata()
-        metadata.idle = scheduler_output.total_num_scheduled_tokens == 0
-        return KvPushMetadata(metadata)
+        if self._scheduler is None:
+            return KvPushMetadata(PushMetadata())
+        idle = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
+        return KvPushMetadata(self._scheduler.take_metadata(idle))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._sched.transfers_finished(
-            set(connector_output.finished_sending or ()),
-            set(connector_output.finished_recving or ()),
-        )
+        if self._scheduler is None:
+            return
+        try:
+            self._scheduler.transfers_finished(
+                set(connector_output.finished_sending or ()),
+                set(connector_output.finished_recving or ()),
+            )
+        except Exception:
+            logger.exception("kvpush: update_connector_output failed; please report this")
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -303,19 +336,22 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        from vllm.v1.request import RequestStatus
+        sched = self._scheduler
+        if sched is None:
+            return False, None
+        request_id, params = request.request_id, request.kv_transfer_params
+        try:
+            from vllm.v1.request import RequestStatus
 
-        normal = request.status in (
-            RequestStatus.FINISHED_LENGTH_CAPPED,
-            RequestStatus.FINISHED_STOPPED,
-        )
-        return self._sched.finished(
-            request.request_id,
-            request.kv_transfer_params,
-            normal,
-            block_ids,
-            len(request.prompt_token_ids or ()),
-        )
+            normal = request.status in (
+                RequestStatus.FINISHED_LENGTH_CAPPED,
+                RequestStatus.FINISHED_STOPPED,
+            )
+            return sched.finished(
+                request_id, params, normal, block_ids, len(request.prompt_token_ids or ())
+            )
+        except Exception as error:
+            return sched.finish_failed(request_id, params, error)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvPushStats:
@@ -326,20 +362,21 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return KvPushPromMetrics(*args)
 
     def has_pending_push_work(self) -> bool:
-        return self._sched.has_pending_work()
+        return self._scheduler is not None and self._scheduler.has_pending_work()
 
     def get_finished_count(self) -> int | None:
         return None  # every worker reports each request
 
     # ---- worker role ----------------------------------------------------------------------
-
-    @property
-    def _work(self) -> PushWorker:
-        assert self._worker is not None, "worker-role method called on the scheduler"
-        return self._worker
+    #
+    # PushWorker never raises for one request's sake (an endpoint's refusal fails that request
+    # alone); the guards here catch its bugs, which must not kill the engine either.
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work.register(*views_by_group(kv_caches, self._groups))
+        # At startup: a cache kvpush cannot move is refused here, with the reason.
+        if self._worker is None:
+            raise KvPushError("register_kv_caches called on the scheduler's connector")
+        self._worker.register(*views_by_group(kv_caches, self._groups))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Act on the step's instructions here, before the forward pass, not in start_load_kv:
@@ -348,13 +385,20 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # would wait for a step they do not depend on. What P sends was computed by an earlier
         # step (the scheduler saw its output), and what D registers is allocated and unused.
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None and isinstance(connector_metadata, KvPushMetadata):
-            self._worker.apply(connector_metadata.take())
+        self._apply(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, KvPushMetadata)
-        self._work.apply(metadata.take())  # normally nothing left: bind_connector_metadata acted
+        if self.has_connector_metadata():
+            # Normally nothing left: bind_connector_metadata acted.
+            self._apply(self._get_connector_metadata())
+
+    def _apply(self, metadata: KVConnectorMetadata) -> None:
+        if self._worker is None or not isinstance(metadata, KvPushMetadata):
+            return
+        try:
+            self._worker.apply(metadata.take())
+        except Exception:
+            logger.exception("kvpush: a step's instructions failed; please report this")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # KV arrives whole before the request is scheduled
@@ -372,22 +416,35 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         pass
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        sending, recving, _ = self._work.take_finished()
+        sending, recving, _ = self._take_finished()
         return sending, recving
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self._work.take_finished()
+        sending, recving, failed = self._take_finished()
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
 
+    def _take_finished(self) -> tuple[set[str], set[str], set[str]]:
+        if self._worker is None:
+            return set(), set(), set()
+        try:
+            return self._worker.take_finished()
+        except Exception:
+            logger.exception("kvpush: finished transfers not collected; please report this")
+            return set(), set(), set()
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._work.take_load_errors()
+        return set() if self._worker is None else self._worker.take_load_errors()
 
     def get_kv_connector_stats(self) -> KvPushStats | None:
         if self._worker is None:
             return None  # vLLM asks the scheduler too; transfers are counted by the workers
-        stats = self._worker.take_stats()
+        try:
+            stats = self._worker.take_stats()
+        except Exception:
+            logger.exception("kvpush: transfer statistics lost; please report this")
+            return None
         return None if stats is None else KvPushStats(data=stats)
 
     def shutdown(self) -> None:
