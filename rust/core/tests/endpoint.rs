@@ -1203,3 +1203,19 @@ fn a_re_expects_receive_is_reported_after_the_one_it_superseded() {
         }
     }
 }
+
+#[test]
+fn a_closed_endpoint_takes_no_work_that_could_never_end_in_an_event() {
+    let p_cache = Cache::new(16, |_| 9);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-closed-p");
+    let d = d_cache.endpoint("ep-closed-d");
+    let e = expectation(&p, "req-after-close", &[1], 0, 10);
+    p.close().unwrap();
+    d.close().unwrap();
+    // No D registered yet, so `ready` would have left P's KV waiting in a table nobody serves.
+    assert!(matches!(p.ready(ready("req-after-close", &[3], 10)), Err(EndpointError::Closed)));
+    assert!(matches!(d.expect(e), Err(EndpointError::Closed)));
+    assert!(matches!(d.cancel("req-after-close"), Err(EndpointError::Closed)));
+    assert_eq!(p.pending(), 0);
+}

@@ -125,7 +125,7 @@ impl Inbox {
         self.depth.queued.load(Ordering::Relaxed)
     }
 
-    fn is_stopping(&self) -> bool {
+    pub(crate) fn is_stopping(&self) -> bool {
         // Acquire: see `stop`.
         self.depth.stopping.load(Ordering::Acquire)
     }

@@ -431,12 +431,22 @@ impl Shared {
 
     /// Room for new work in the writer's inbox; counts a refusal.
     pub(crate) fn admit(&self) -> Result<(), EndpointError> {
+        self.check_open()?;
         self.inbox.admit().map_err(|full| self.overloaded(full))
     }
 
     /// Room for work that ends requests; counts a refusal.
     pub(crate) fn admit_ending(&self) -> Result<(), EndpointError> {
+        self.check_open()?;
         self.inbox.admit_ending().map_err(|full| self.overloaded(full))
+    }
+
+    /// `Closed` once `close` began: nothing taken then would ever end in an event.
+    fn check_open(&self) -> Result<(), EndpointError> {
+        if self.inbox.is_stopping() {
+            return Err(EndpointError::Closed);
+        }
+        Ok(())
     }
 
     fn overloaded(&self, full: inbox::Full) -> EndpointError {
