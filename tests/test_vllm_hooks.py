@@ -819,3 +819,30 @@ def test_with_several_kv_cache_groups_a_failed_receive_is_reported_by_request_al
     results = connector.get_transfer_results(set())
     assert results.finished_recving == results.failed_recving == {"d-1"}
     assert connector.get_block_ids_with_load_errors() == set()
+
+
+def test_a_quarantined_transfer_holds_its_blocks_until_its_final_event(
+    vllm_config: Any, cache: CacheLayout
+) -> None:
+    """A ``quarantined`` event is a notice (a WRITE may still land): neither the receive nor
+    the send is reported until the transfer's final event, which then is, once."""
+    endpoint = EndpointDouble(
+        {"d-q": Behaviour(outcome="quarantined"), "p-q": Behaviour(outcome="quarantined")}
+    )
+    connector = worker_connector(vllm_config, push_worker(cache, endpoint))
+    from kvpush.vllm.connector import KvPushMetadata
+
+    recv = RecvRequest("d-q", None, "127.0.0.1", 5600, 1, ((2, 3),), 0, 20)
+    send = SendRequest("p-q", None, ((4,),), 10)
+    connector.bind_connector_metadata(KvPushMetadata(PushMetadata(sends=[send], recvs=[recv])))
+    held = connector.get_transfer_results(set())
+    assert not held.finished_recving, "held while a WRITE may still land"
+    assert not held.finished_sending, "P's source blocks held while NIXL may read them"
+    assert connector.get_block_ids_with_load_errors() == set()
+    endpoint._due.append((0, StandInEvent("receive", "d-q", "failed", "P confirmed")))
+    endpoint._due.append((0, StandInEvent("send", "p-q", "done")))
+    ended = connector.get_transfer_results(set())
+    assert ended.finished_recving == ended.failed_recving == {"d-q"}
+    assert ended.finished_sending == {"p-q"}
+    assert connector.get_block_ids_with_load_errors() == {2, 3}
+    assert not connector.get_transfer_results(set()).finished_recving

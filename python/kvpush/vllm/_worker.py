@@ -499,7 +499,11 @@ class PushWorker:
         for event in events:
             quarantined = event.outcome == "quarantined"
             # A quarantine notice is not the request's end: its final event keeps the decision.
-            decided = (self._decided.get if quarantined else self._decided.pop)(event.request_id)
+            decided = (
+                self._decided.get(event.request_id)
+                if quarantined
+                else self._decided.pop(event.request_id, None)
+            )
             try:
                 self._record(event, decided, self._clock_offset)
                 _stats.observe(self._stats, event, decided, self._clock_offset)

@@ -1219,3 +1219,32 @@ fn a_closed_endpoint_takes_no_work_that_could_never_end_in_an_event() {
     assert!(matches!(d.cancel("req-after-close"), Err(EndpointError::Closed)));
     assert_eq!(p.pending(), 0);
 }
+
+#[test]
+fn a_close_ends_the_requests_still_queued_for_the_writer_each_in_its_event() {
+    let p_cache = Cache::new(16, |_| 9);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-backlog-p");
+    let gate = Gate::closed();
+    let d = d_cache.endpoint_stalled("ep-backlog-d", &gate, |_| {});
+    gate.wait_holding();
+    // Queued behind the held writer; the close's stop then goes ahead of it.
+    d.expect(expectation(&p, "req-queued", &[1, 2], 0, 20)).unwrap();
+    let closing = std::thread::spawn({
+        let gate = gate.clone();
+        move || {
+            std::thread::sleep(Duration::from_millis(100));
+            gate.open();
+        }
+    });
+    d.close().unwrap();
+    closing.join().unwrap();
+    let received = d.poll();
+    assert!(
+        matches!(&received[..], [Event { outcome: Outcome::Failed(reason), request_id, .. }]
+            if request_id == "req-queued" && reason.contains("closed before registering")),
+        "{received:?}"
+    );
+    assert_eq!(reason_of(&received[0]), Some(Reason::Closed));
+    assert_eq!(p.pending(), 0, "nothing was registered with P");
+}

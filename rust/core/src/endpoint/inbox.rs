@@ -161,6 +161,17 @@ impl Commands {
         Ok(command)
     }
 
+    /// The commands still queued, taken without waiting, whether or not the inbox was stopped:
+    /// for the writer's end, which must still end each request among them (see
+    /// `Writer::end_backlog`).
+    pub(crate) fn backlog(&self) -> Vec<Command> {
+        let backlog: Vec<Command> = self.receiver.try_iter().collect();
+        for _ in &backlog {
+            self.took();
+        }
+        backlog
+    }
+
     fn took(&self) {
         // Relaxed: see `Inbox::send`.
         self.depth.queued.fetch_sub(1, Ordering::Relaxed);

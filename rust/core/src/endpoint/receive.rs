@@ -791,9 +791,16 @@ impl<T: Transport> Writer<T> {
     }
 
     /// A dead writer's answer to a new expectation: it fails at once (nothing was registered).
-    pub(super) fn refuse_expectation(&mut self, expectation: Expectation, reason: &str) {
+    /// An expectation never registered (the writer died, or closed with it still queued) fails
+    /// at once with `code`. A receive already awaited under that request id is left to end in
+    /// its own event: its legs may be written.
+    pub(super) fn refuse_expectation(
+        &mut self,
+        expectation: Expectation,
+        code: Reason,
+        reason: &str,
+    ) {
         let detail = format!("request {}: {reason}", expectation.request_id);
-        self.receives.awaited.remove(&expectation.request_id);
         self.emit(Event {
             role: Role::Receive,
             key: TransferKey::for_request(
@@ -801,7 +808,7 @@ impl<T: Transport> Writer<T> {
                 &expectation.request_id,
             ),
             request_id: expectation.request_id,
-            outcome: Outcome::failed(Reason::WriterDied, detail),
+            outcome: Outcome::failed(code, detail),
             bytes: 0,
             runs: 0,
             timeline: Timeline::default(),

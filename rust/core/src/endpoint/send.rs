@@ -333,6 +333,33 @@ impl<T: Transport> Writer<T> {
         }
     }
 
+    /// A match that will not be written (the endpoint closes): D hears that nothing was posted,
+    /// and P's engine gets its blocks back. A match the table no longer holds is whoever
+    /// overtook it's to report (as in `write`).
+    pub(super) fn refuse_match(&mut self, m: Match<Registration, Arc<Ready>>, why: &str) {
+        let Match { key, epoch, registration, ready } = m;
+        let detail = format!("transfer {key}: {why} before its WRITE was posted");
+        match self.shared.table.begin_write(&key, epoch) {
+            Ok(()) => {
+                let outcome = TableOutcome::Failed(detail.clone());
+                let _ = self.shared.table.finish(&key, epoch, outcome, Instant::now());
+                let fail = registration.fail(FailReason::ShuttingDown, detail.clone());
+                self.send(registration.peer, Message::Fail(fail));
+                self.report_send(
+                    &ready,
+                    key.as_str(),
+                    Outcome::failed(Reason::Closed, detail),
+                    None,
+                );
+            }
+            Err(RendezvousError::Fenced { .. }) => {
+                let fail = registration.fail(FailReason::Cancelled, detail);
+                self.send(registration.peer, Message::Fail(fail));
+            }
+            Err(_) => {}
+        }
+    }
+
     /// Plans and posts one write; the error says why not, for D (the FAIL's reason) and for P's
     /// event (its reason code and detail).
     fn post(

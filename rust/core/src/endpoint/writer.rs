@@ -45,7 +45,7 @@ use crate::rendezvous::Match;
 use crate::side_channel::{PeerId, PeerInfo, SideChannel, SideChannelError};
 use crate::transport::{MemorySpace, Transport};
 
-use super::events::Event;
+use super::events::{Event, Reason};
 use super::inbox::Commands;
 use super::receive::Receives;
 use super::send::{Ready, Registration, Sends};
@@ -361,7 +361,7 @@ impl<T: Transport> Writer<T> {
             match self.commands.recv_timeout(wait) {
                 Ok(Command::Stop) | Err(RecvTimeoutError::Disconnected) => break,
                 Ok(Command::Expect(expectation, _)) => {
-                    self.refuse_expectation(expectation, &reason)
+                    self.refuse_expectation(expectation, Reason::WriterDied, &reason)
                 }
                 Ok(_) | Err(RecvTimeoutError::Timeout) => {}
             }
@@ -371,7 +371,39 @@ impl<T: Transport> Writer<T> {
     }
 
     pub(crate) fn shut_down(&mut self) {
+        self.end_backlog();
         self.drain_writes();
         self.close_receives();
+    }
+
+    /// The commands still queued when the writer was stopped (a stop goes ahead of them): each
+    /// request among them ends in its event, and what P owes a D (a FAIL, a CANCEL_ACK) is
+    /// still said; nothing new is started.
+    fn end_backlog(&mut self) {
+        for command in self.commands.backlog() {
+            match command {
+                Command::Expect(expectation, _) => self.refuse_expectation(
+                    expectation,
+                    Reason::Closed,
+                    "the endpoint closed before registering it",
+                ),
+                Command::Write(m) => self.refuse_match(m, "the endpoint closed"),
+                Command::Fail { peer, fail } => self.send(peer, Message::Fail(fail)),
+                Command::AcknowledgeCancel { peer, cancel, released } => {
+                    self.acknowledge_cancel(peer, cancel, released);
+                }
+                Command::AcknowledgeWhenWritten { peer, cancel } => {
+                    self.acknowledge_when_written(peer, cancel);
+                }
+                Command::ReportFanOut(base) => self.report_fanout(base),
+                Command::PeerLost { peer, reason, at } => self.peer_lost(peer, &reason, at),
+                // Ended with every other receive, or without a request to end.
+                Command::CancelExpectation(_)
+                | Command::Connected { .. }
+                | Command::PeerJoined(_)
+                | Command::FromPeer(..)
+                | Command::Stop => {}
+            }
+        }
     }
 }
