@@ -323,12 +323,26 @@ impl<T: Transport> Writer<T> {
             }),
             Err((reason, why, detail)) => {
                 let outcome = TableOutcome::Failed(detail.clone());
-                let _ = self.shared.table.finish(&key, epoch, outcome, Instant::now());
+                let finished = self.shared.table.finish(&key, epoch, outcome, Instant::now());
                 self.send(
                     registration.peer,
                     Message::Fail(registration.fail(reason, detail.clone())),
                 );
-                self.report_send(&ready, key.as_str(), Outcome::failed(why, detail), None);
+                let rematch = match finished {
+                    Ok(finished) => {
+                        let owed = finished.cancel_acknowledged.then_some(registration.peer);
+                        self.acknowledge_cancels(&key, epoch, &registration, owed, false);
+                        finished.rematch
+                    }
+                    Err(_) => None,
+                };
+                match rematch {
+                    // D re-registered meanwhile: P's KV is still needed for the new blocks.
+                    Some(m) => self.write(m),
+                    None => {
+                        self.report_send(&ready, key.as_str(), Outcome::failed(why, detail), None);
+                    }
+                }
             }
         }
     }
@@ -538,28 +552,14 @@ impl<T: Transport> Writer<T> {
                 Outcome::failed(Reason::WriteError, detail)
             }
         };
-        let mut asked =
-            self.sends.ack_waiters.remove(&(w.key.clone(), w.epoch)).unwrap_or_default();
         let rematch = match finished {
             Ok(finished) => {
-                if finished.cancel_acknowledged {
-                    asked.push(w.registration.peer);
-                }
+                let owed = finished.cancel_acknowledged.then_some(w.registration.peer);
+                self.acknowledge_cancels(&w.key, w.epoch, &w.registration, owed, true);
                 finished.rematch
             }
             Err(_) => None,
         };
-        asked.sort_unstable();
-        asked.dedup();
-        for peer in asked {
-            let ack = CancelAck {
-                transfer_key: w.key.as_str().to_owned(),
-                request_id: w.registration.register.request_id.clone(),
-                epoch: w.epoch,
-                wrote: true,
-            };
-            self.send(peer, Message::CancelAck(ack));
-        }
         match rematch {
             // D re-registered during the write: P's KV is still needed for the new blocks,
             // so this request's send is not over yet.
@@ -634,6 +634,32 @@ impl<T: Transport> Writer<T> {
         let at = Instant::now();
         for w in std::mem::take(&mut self.sends.in_flight) {
             self.cut(w, "the endpoint closed during the write", at);
+        }
+    }
+
+    /// The transport is done with (`key`, `epoch`)'s WRITE (it `wrote`, or never posted it):
+    /// every D connection that asked to cancel it meanwhile gets its CANCEL_ACK now, `owed` (the
+    /// registration's own, when the table recorded its cancel) included.
+    fn acknowledge_cancels(
+        &mut self,
+        key: &TransferKey,
+        epoch: u64,
+        registration: &Registration,
+        owed: Option<PeerId>,
+        wrote: bool,
+    ) {
+        let mut asked = self.sends.ack_waiters.remove(&(key.clone(), epoch)).unwrap_or_default();
+        asked.extend(owed);
+        asked.sort_unstable();
+        asked.dedup();
+        for peer in asked {
+            let ack = CancelAck {
+                transfer_key: key.as_str().to_owned(),
+                request_id: registration.register.request_id.clone(),
+                epoch,
+                wrote,
+            };
+            self.send(peer, Message::CancelAck(ack));
         }
     }
 
