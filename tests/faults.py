@@ -1,6 +1,6 @@
 """Fault injection for the P/D transfer tests: a relay that partitions or cuts the side channel,
-SIGSTOP/SIGCONT of a worker process and its resident memory, and hostile clients of a
-side-channel port.
+SIGSTOP/SIGCONT of a worker process and its resident memory, one thread of a worker stopped
+while the others run (ptrace), and hostile clients of a side-channel port.
 
 Everything here is bounded in time and in count, runs on threads that stop by themselves, and
 only ever talks to 127.0.0.1.
@@ -9,6 +9,7 @@ only ever talks to 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import random
 import select
@@ -19,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import psutil
 
@@ -287,11 +288,15 @@ class Relay:
 
 def pause(worker: RemoteWorker, timeout: float = 5.0) -> None:
     """Stops the worker's process (SIGSTOP) and waits until the kernel says it is stopped."""
-    os.kill(worker.pid, signal.SIGSTOP)
+    _stop_process(worker.pid, timeout)
+
+
+def _stop_process(pid: int, timeout: float) -> None:
+    os.kill(pid, signal.SIGSTOP)
     stopped = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-    process = psutil.Process(worker.pid)
+    process = psutil.Process(pid)
     if not wait_for(lambda: process.status() in stopped, timeout, interval=0.01):
-        raise TimeoutError(f"worker process {worker.pid} did not stop within {timeout}s")
+        raise TimeoutError(f"worker process {pid} did not stop within {timeout}s")
 
 
 def resume(worker: RemoteWorker) -> None:
@@ -309,10 +314,333 @@ def paused(worker: RemoteWorker) -> Iterator[None]:
         resume(worker)
 
 
+F = TypeVar("F", bound="Fault")
+# Longest any fault here holds (a process or a thread stopped), whatever the caller asked.
+MAX_STOP = 30.0
+
+
+class Fault:
+    """A fault that holds from now (a process or a thread stopped, a link cut) until it ends
+    after ``seconds`` by itself, or earlier by :meth:`end` (also on leaving the ``with`` block):
+    bounded whatever the test does. ``started`` is when it took hold (the kernel confirmed the
+    stop), ``ended`` when its end began (None until then), both ``time.monotonic()``."""
+
+    started: float
+    ended: float | None = None
+
+    def end(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: F) -> F:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self.end()
+
+
+class ProcessPause(Fault):
+    """Process ``pid`` stopped (SIGSTOP) as a whole: every thread, as a VM pause or a debugger
+    would; SIGCONT from a timer thread after ``seconds``."""
+
+    def __init__(self, pid: int, seconds: float) -> None:
+        if not 0 < seconds <= MAX_STOP:
+            raise ValueError(f"a pause lasts 0..{MAX_STOP}s, not {seconds}")
+        self.pid = pid
+        self._lock = threading.Lock()
+        _stop_process(pid, timeout=5.0)
+        self.started = time.monotonic()
+        self._timer = threading.Timer(seconds, self.end)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def end(self) -> None:
+        with self._lock:
+            if self.ended is None:
+                self.ended = time.monotonic()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGCONT)
+        self._timer.cancel()
+
+
+# ---- one thread of a process (ptrace) --------------------------------------------------------
+#
+# A thread is stopped with ptrace(2) while its process's other threads run on: PTRACE_SEIZE
+# attaches without stopping, PTRACE_INTERRUPT stops the thread wherever it is, PTRACE_DETACH lets
+# it go. The kernel ties a tracee to the thread that attached it, so each stop below runs on a
+# tracer thread of its own; and should that thread (or this process) end first, the kernel lets
+# the tracee go. Needs root, or a tracer allowed by Yama's ptrace_scope.
+
+# Requests, options, events and waitpid's __WALL (linux/ptrace.h, linux/wait.h).
+PTRACE_CONT = 7
+PTRACE_DETACH = 17
+PTRACE_SYSCALL = 24
+PTRACE_GETEVENTMSG = 0x4201
+PTRACE_SEIZE = 0x4206
+PTRACE_INTERRUPT = 0x4207
+PTRACE_O_TRACECLONE = 0x8
+PTRACE_EVENT_CLONE = 3
+WALL = 0x40000000
+# The kernel keeps this many characters of a thread's name (``/proc/PID/task/TID/comm``).
+THREAD_NAME_CHARS = 15
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.ptrace.restype = ctypes.c_long
+_libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+
+
+def _ptrace(request: int, tid: int, data: int = 0) -> None:
+    ctypes.set_errno(0)
+    if _libc.ptrace(request, tid, None, data or None) == -1 and (errno := ctypes.get_errno()):
+        raise OSError(errno, f"ptrace({request:#x}) of thread {tid}: {os.strerror(errno)}")
+
+
+def _event_message(tid: int) -> int:
+    """PTRACE_GETEVENTMSG: for a clone event, the new thread's id."""
+    message = ctypes.c_ulong()
+    _ptrace(PTRACE_GETEVENTMSG, tid, ctypes.addressof(message))
+    return message.value
+
+
+def _wait_stopped(tid: int, deadline: float) -> int:
+    """Waits (until ``deadline``) for traced thread ``tid`` to stop; its wait status."""
+    while True:
+        waited, status = os.waitpid(tid, WALL | os.WNOHANG)
+        if waited == tid:
+            if not os.WIFSTOPPED(status):
+                raise ProcessLookupError(f"thread {tid} ended while it was traced")
+            return status
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"thread {tid} did not stop in time")
+        time.sleep(0.001)
+
+
+def _signal_of(status: int) -> int:
+    """The signal a stop withheld from the thread (0 for ptrace's own stops): handed back when the
+    thread goes on, so that stopping it changes nothing else."""
+    is_ptrace_stop = status >> 16 != 0 or os.WSTOPSIG(status) == signal.SIGTRAP
+    return 0 if is_ptrace_stop else os.WSTOPSIG(status)
+
+
+def _let_go(tid: int, withheld: int = 0) -> None:
+    """Detaches from ``tid``, stopping it first if it runs (PTRACE_DETACH needs a stopped
+    tracee); a thread that is gone needs nothing."""
+    try:
+        _ptrace(PTRACE_DETACH, tid, withheld)
+        return
+    except OSError:
+        pass
+    with contextlib.suppress(OSError, TimeoutError, ProcessLookupError, ChildProcessError):
+        _ptrace(PTRACE_INTERRUPT, tid)
+        withheld = _signal_of(_wait_stopped(tid, time.monotonic() + 1.0))
+        _ptrace(PTRACE_DETACH, tid, withheld)
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Process ``pid``'s threads and their names (as the kernel keeps them: 15 characters)."""
+    names = {}
+    for entry in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{entry}/comm", encoding="utf-8") as comm:
+                names[int(entry)] = comm.read().strip()
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+    return names
+
+
+def thread_named(pid: int, name: str) -> int:
+    """Process ``pid``'s one thread named ``name`` (compared as far as the kernel keeps names);
+    LookupError, naming the threads there are, when there is none or more than one."""
+    names = thread_names(pid)
+    found = [tid for tid, comm in names.items() if comm == name[:THREAD_NAME_CHARS]]
+    if len(found) != 1:
+        raise LookupError(
+            f"process {pid} has {len(found)} threads named {name!r}: {sorted(names.values())}"
+        )
+    return found[0]
+
+
+def thread_state(pid: int, tid: int) -> str:
+    """The thread's state letter from ``/proc`` (``t``: stopped by its tracer), or "" if gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8") as stat:
+            return stat.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
+def _waits_on_a_lock(pid: int, tid: int) -> bool:
+    """Whether the thread sleeps in a futex (a mutex, a condition variable), or is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/wchan", encoding="utf-8") as wchan:
+            return "futex" in wchan.read()
+    except FileNotFoundError:
+        return True
+
+
+class _Tracer(Fault):
+    """A :class:`Fault` whose every ptrace call runs on one thread of its own (``_trace``)."""
+
+    def __init__(self, what: str) -> None:
+        self._stopped = threading.Event()
+        self._resume = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"ptrace-{what}", daemon=True)
+
+    def _start(self, timeout: float) -> None:
+        """Starts the tracer thread; returns once the stop is in place (or raises why not)."""
+        self._thread.start()
+        if not self._stopped.wait(timeout) and self._error is None:
+            self.end()
+            raise TimeoutError(f"{self._thread.name} did not stop its thread in {timeout:.0f}s")
+        if self._error is not None:
+            self.end()
+            raise self._error
+
+    def _run(self) -> None:
+        try:
+            self._trace()
+        except BaseException as error:
+            self._error = error
+            self._stopped.set()
+        finally:
+            self.ended = self.ended or time.monotonic()
+            self._done.set()
+
+    def _trace(self) -> None:
+        raise NotImplementedError
+
+    def end(self) -> None:
+        self._resume.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=MAX_STOP + 5.0)
+
+
+class ThreadStall(_Tracer):
+    """Thread ``name`` of process ``pid`` stopped while the process's other threads run on (its
+    heartbeats, its side channel): a writer thread stuck in a transport call, or descheduled for
+    seconds. Let go after ``seconds`` or at :meth:`end`."""
+
+    def __init__(self, pid: int, name: str, seconds: float) -> None:
+        if not 0 < seconds <= MAX_STOP:
+            raise ValueError(f"a stall lasts 0..{MAX_STOP}s, not {seconds}")
+        super().__init__(name)
+        self.pid = pid
+        self.tid = thread_named(pid, name)
+        self.seconds = seconds
+        self._start(timeout=5.0)
+
+    def _trace(self) -> None:
+        _ptrace(PTRACE_SEIZE, self.tid)
+        withheld = 0
+        try:
+            _ptrace(PTRACE_INTERRUPT, self.tid)
+            withheld = _signal_of(_wait_stopped(self.tid, time.monotonic() + 5.0))
+            self.started = time.monotonic()
+            self._stopped.set()
+            self._resume.wait(self.seconds)
+        finally:
+            self.ended = time.monotonic()
+            _let_go(self.tid, withheld)
+
+
+class SpawnedThreadRunsFirst(_Tracer):
+    """Makes one interleaving of two threads certain: thread ``name`` of process ``pid`` is held
+    at its next spawn of a thread; ``then()`` runs (on the tracer thread); the new thread runs
+    until it ends, while the spawner advances one system call at a time, only as far as it must
+    for the new thread to get on (a lock the spawner holds across the spawn is released with a
+    futex call); then the spawner goes on. Whatever the new thread does before it ends, it does
+    before the spawner's next step after the spawn. ``spawned`` is the new thread's id.
+
+    Waits at most ``seconds`` for the spawn; fails (:meth:`result`) if the new thread does not
+    end within a few seconds of being let go."""
+
+    STEP_WAIT = 0.5
+    MAX_STEPS = 16
+
+    def __init__(self, pid: int, name: str, then: Callable[[], None], seconds: float) -> None:
+        if not 0 < seconds <= MAX_STOP:
+            raise ValueError(f"the wait for a spawn lasts 0..{MAX_STOP}s, not {seconds}")
+        super().__init__(f"spawn-{name}")
+        self.pid = pid
+        self.tid = thread_named(pid, name)
+        self.seconds = seconds
+        self.spawned: int | None = None
+        self._then = then
+        self._thread.start()
+        # The spawner is only watched until it spawns: nothing is stopped yet.
+        self.started = time.monotonic()
+
+    def _gone(self, tid: int) -> bool:
+        return not thread_state(self.pid, tid)
+
+    def _trace(self) -> None:
+        _ptrace(PTRACE_SEIZE, self.tid, PTRACE_O_TRACECLONE)
+        withheld = 0
+        try:
+            deadline = time.monotonic() + self.seconds
+            while True:
+                status = _wait_stopped(self.tid, deadline)
+                if status >> 8 == signal.SIGTRAP | PTRACE_EVENT_CLONE << 8:
+                    break
+                # Any other stop before the spawn (a signal): the spawner goes on as it would.
+                _ptrace(PTRACE_CONT, self.tid, _signal_of(status))
+            spawned = self.spawned = _event_message(self.tid)
+            try:
+                _wait_stopped(spawned, time.monotonic() + 5.0)
+                self._stopped.set()
+                self._then()
+            finally:
+                _let_go(spawned)
+            if not wait_for(lambda: _waits_on_a_lock(self.pid, spawned), 5.0):
+                raise TimeoutError(f"thread {spawned} neither ended nor waited on a lock")
+            for _ in range(self.MAX_STEPS):
+                if wait_for(lambda: self._gone(spawned), self.STEP_WAIT, interval=0.01):
+                    return
+                _ptrace(PTRACE_SYSCALL, self.tid, withheld)
+                withheld = _signal_of(_wait_stopped(self.tid, time.monotonic() + 5.0))
+            raise TimeoutError(
+                f"thread {spawned} did not end within {self.MAX_STEPS} system calls of its spawner"
+            )
+        finally:
+            _let_go(self.tid, withheld)
+            self.ended = time.monotonic()
+
+    def result(self, timeout: float) -> int:
+        """Waits (bounded) until the spawner went on; the new thread's id, or why it failed."""
+        if not self._done.wait(timeout):
+            self.end()
+            raise TimeoutError(f"no spawn by thread {self.tid} was seen through in {timeout:.0f}s")
+        if self._error is not None:
+            raise self._error
+        assert self.spawned is not None
+        return self.spawned
+
+
 def rss_bytes(pid: int) -> int:
     """The resident memory of process ``pid``."""
     rss: int = psutil.Process(pid).memory_info().rss
     return rss
+
+
+def unread_tcp_bytes(pid: int) -> int:
+    """Bytes the kernel received for process ``pid``'s TCP sockets that the process has not read
+    yet (their receive queues in ``/proc/PID/net/tcp``, the process's own network namespace)."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                sockets.add(target[len("socket:[") : -1])
+    unread = 0
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}", encoding="ascii") as rows:
+            next(rows)  # the header
+            for row in rows:
+                fields = row.split()  # ... tx_queue:rx_queue (5th) ... inode (10th)
+                if fields[9] in sockets:
+                    unread += int(fields[4].partition(":")[2], 16)
+    return unread
 
 
 class PeakRss:
