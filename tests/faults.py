@@ -827,3 +827,177 @@ def silent_prefixes(
     """Opens ``connections`` connections that each announce an ``announced_len``-byte frame and
     stay silent; the handle closes them."""
     return SilentPrefixes(address, connections, announced_len, hold)
+
+
+# ---- the fence through a fault -----------------------------------------------------------------
+#
+# One transfer under one fault: both sides' events taken as they come and timed from the fault,
+# D's whole cache watched from its final failure, then the verdict (tests/test_faults.py's
+# section "a WRITE in flight when P stops" states the terms).
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a case allows, in seconds, the 1 s of slack included. ``d``: from the fault's start
+    to D's first event, and from its end to D's final one; ``p``: from when P runs again to its
+    send event; ``watch``: how long D's cache is watched after both D's final failure and the
+    fault's end."""
+
+    d: float
+    p: float
+    watch: float
+
+
+@dataclass
+class Seen:
+    """An event, and when its endpoint reported it (the worker's ``at``): seconds after the
+    fault started (P's send event: after P ran again)."""
+
+    event: dict[str, Any]
+    at: float
+
+    @property
+    def outcome(self) -> str:
+        return str(self.event["outcome"])
+
+    def __str__(self) -> str:
+        return f"{self.outcome} {self.at:.1f}s"
+
+
+class Outcomes:
+    """Both sides' events for one transfer under ``fault``, taken as they come (D's worker
+    snapshots its cache at a final failure as it takes the event). ``stops_p``: the fault stops
+    P (its process or its writer), which then runs again at the fault's end, and its events are
+    taken only from then on (a stopped process would not answer); else P runs throughout."""
+
+    def __init__(self, p: Any, d: Any, fault: Fault, *, stops_p: bool) -> None:
+        self.p, self.d, self.fault, self.stops_p = p, d, fault, stops_p
+        self.received: list[Seen] = []
+        self.sent: Seen | None = None
+
+    def since_fault(self) -> float:
+        return time.monotonic() - self.fault.started
+
+    def ended_at(self) -> float:
+        """When the fault ended, or (while it lasts) the latest it can."""
+        return self.fault.ended or self.fault.started + MAX_STOP
+
+    def p_runs_since(self) -> float | None:
+        """Since when P runs (None while the fault stops it)."""
+        return self.fault.ended if self.stops_p else self.fault.started
+
+    @property
+    def final(self) -> Seen | None:
+        """D's final event (done, failed or cancelled), if it came."""
+        return next((seen for seen in self.received if seen.outcome != "quarantined"), None)
+
+    def take(self) -> None:
+        """One round (at most 0.1 s): D's events, then P's."""
+        for event in self.d.events(1, timeout=0.05):
+            self.received.append(Seen(event, event["at"] - self.fault.started))
+        running = self.p_runs_since()
+        if running is not None and self.sent is None:
+            for event in self.p.events(1, timeout=0.05):
+                self.sent = Seen(event, event["at"] - running)
+
+    def until(self, done: Callable[[], bool], deadline: Callable[[], float]) -> bool:
+        """Takes events until ``done()`` (True) or ``deadline()`` (a monotonic time) passes."""
+        while not done():
+            if time.monotonic() >= deadline():
+                return False
+            self.take()
+        return True
+
+
+def fenced_through(
+    outcomes: Outcomes,
+    request_id: str,
+    bounds: Bounds,
+    row: dict[str, Any],
+    delivered_whole: Callable[[], bool],
+    *,
+    end_fault_after_d: float | None = None,
+) -> None:
+    """The fence and the bounds for transfer ``request_id`` under ``outcomes.fault``, the
+    canary asserted first; fills the case's report ``row`` (columns d, p, canary) as it goes.
+    ``end_fault_after_d``: the fault ends this long after D's first event (else by itself).
+
+    D's events: at most one ``quarantined`` notice, then one final event. A final failure (or
+    cancel) starts the canary: no byte of D's whole cache changes until ``bounds.watch`` after
+    both it and the fault's end. A final done must have P's bytes (``delivered_whole``), and a
+    final failure must not be done on P."""
+    started = outcomes.fault.started
+    came = outcomes.until(lambda: bool(outcomes.received), lambda: started + bounds.d)
+    assert came, f"D reported nothing within {bounds.d:.0f}s of the fault"
+    if end_fault_after_d is not None:
+        end = started + outcomes.received[0].at + end_fault_after_d
+        outcomes.until(lambda: False, lambda: end)
+        outcomes.fault.end()
+    outcomes.until(lambda: outcomes.final is not None, lambda: outcomes.ended_at() + bounds.d)
+    row["d"] = ", then ".join(str(seen) for seen in outcomes.received)
+    final = outcomes.final
+    assert final is not None, (
+        f"D's receive stayed {outcomes.received[0].outcome} past {bounds.d:.0f}s after the "
+        "fault ended"
+    )
+    landed = _watch_canary(outcomes, request_id, final, bounds.watch, row)
+
+    def p_deadline() -> float:
+        return (outcomes.p_runs_since() or outcomes.ended_at()) + bounds.p
+
+    outcomes.until(lambda: outcomes.sent is not None, p_deadline)
+    sent = outcomes.sent
+    row["p"] = f"{sent} after it ran again" if sent and outcomes.stops_p else str(sent)
+    ended = outcomes.ended_at() - started
+    assert not landed, (
+        f"bytes landed in D's cache after D reported receive {request_id} {final.outcome} "
+        f"{final.at:.1f}s after the fault (which ended at {ended:.1f}s): {landed}"
+    )
+    assert sent is not None, f"P reported no outcome within {bounds.p:.0f}s of running again"
+    kinds = [seen.outcome for seen in outcomes.received]
+    assert kinds in ([final.outcome], ["quarantined", final.outcome]), (
+        f"D's events for one receive: {kinds} (at most one notice, then one final event)"
+    )
+    first = outcomes.received[0]
+    assert first.at <= bounds.d, (
+        f"D's first event came {first.at:.1f}s after the fault (bound {bounds.d:.0f}s)"
+    )
+    assert final.at <= ended + bounds.d, (
+        f"D's final event came {final.at:.1f}s after the fault, which ended at {ended:.1f}s "
+        f"(bound {bounds.d:.0f}s after)"
+    )
+    if final.outcome == "done":
+        assert delivered_whole(), "D reported the receive done without P's bytes, whole"
+    else:
+        assert final.outcome in ("failed", "cancelled"), final.event
+        assert sent.outcome != "done", "P reports a transfer delivered that D reported failed"
+    assert wait_for(lambda: outcomes.p.pending() == 0, bounds.d), "P kept the transfer's entry"
+    assert outcomes.d.events(1, timeout=0.5) == [], "D reported the receive again"
+
+
+def _watch_canary(
+    outcomes: Outcomes, request_id: str, final: Seen, watch: float, row: dict[str, Any]
+) -> str:
+    """After a final failure ``final``: watches D's cache against its snapshot at that event
+    until ``watch`` after both the event and the fault's end (P may write until it runs again,
+    and then until its write is over), taking both sides' events meanwhile. "" when no byte
+    changed, else how many did and when."""
+    if final.outcome == "done":
+        return ""
+    first_seen, changed = 0.0, 0
+
+    def watched() -> bool:
+        ended = outcomes.fault.ended
+        return (
+            ended is not None
+            and time.monotonic() >= max(outcomes.fault.started + final.at, ended) + watch
+        )
+
+    while not watched():
+        outcomes.take()
+        now = outcomes.d.changed_since_failure(request_id)
+        if now and not changed:
+            first_seen = outcomes.since_fault()  # as the test saw it: as late as its polling
+        changed = max(changed, now)
+    row["canary"] = f"{changed:,} B changed, from {first_seen:.1f}s" if changed else "unchanged"
+    return f"{changed:,} bytes, the first seen {first_seen:.1f}s after the fault" if changed else ""
