@@ -65,7 +65,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.section(
         "fault matrix: each side's outcomes and their times (from the fault), canary, P after"
     )
-    columns = ["case", "d", "p", "canary", "p_entries_left", "p_rss"]
+    columns = ["case", "fault", "d", "p", "canary", "p_entries_left", "p_rss"]
     terminalreporter.write_line(" | ".join(columns))
     for row in rows:
         terminalreporter.write_line(" | ".join(str(row.get(c, "-")) for c in columns))
