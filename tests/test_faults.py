@@ -40,6 +40,7 @@ from tests.faults import (
     PeakRss,
     ProcessPause,
     Relay,
+    SpawnedThreadRunsFirst,
     ThreadStall,
     fenced_through,
     garbage,
@@ -72,8 +73,10 @@ FENCE_WATCH = PEER_TIMEOUT + WRITE_TIMEOUT + 1.0
 # The latest either side's outcome may come, from the moment the fault makes it due: D notices
 # the silence (peer timeout), waits out P's horizon, plus the 1 s the issue allows.
 OUTCOME_BOUND = PEER_TIMEOUT + HORIZON + 1.0
-# The threads of the workers' endpoints (engine ids "p-engine", "d-engine") that faults stop.
+# The threads of the workers' endpoints (engine ids "p-engine", "d-engine") that faults stop:
+# each one's writer, and D's connector (it connects D to its P workers, one at a time).
 P_WRITER, D_WRITER = "kvpush-writer-p-engine", "kvpush-writer-d-engine"
+D_CONNECTOR = "kvpush-connect-d-engine"
 #: Each case's measured time to outcome and canary result, printed at the end of the session
 #: (tests/conftest.py) and written to $KVPUSH_FAULT_REPORT as JSON lines when set.
 REPORT: list[dict[str, Any]] = []
@@ -297,6 +300,50 @@ def test_side_channel_cut_then_a_reconnect_serves_new_transfers(transport: str) 
         again = receive_outcome(pair)
         assert again["outcome"] == "done", again
         pair.verify([second])
+
+
+@pytest.mark.xfail(
+    strict=True, reason="the Connected/PeerLost race: D keeps a lost connection (issue 16)"
+)
+def test_a_connection_lost_right_after_its_handshake_leaves_later_requests_served() -> None:
+    """D connects to P (through a relay) for a request, and the connection is reset right after
+    its handshake. Two of D's threads then report to its writer: the connecting thread that the
+    connection is up, the connection's own thread that it is lost. Whichever comes first, D must
+    not keep the lost connection as its way to P: a later request to that P is served.
+
+    The unlucky order is made certain: D's connecting thread is held as it spawns the
+    connection's thread (the handshake is over then), the relay resets the connection, and the
+    connecting thread goes on only once the connection's thread has reported the loss and
+    ended (:class:`SpawnedThreadRunsFirst`)."""
+    with fault_pair("nixl", relay=True) as pair:
+        assert pair.relay is not None
+        unreachable, first, later = make_requests(random.Random(25), 3, "race")
+        # D's connecting thread starts with D's first connection: make that one to a closed port.
+        with socket.create_server((LOOPBACK, 0)) as closed:
+            nobody = f"{LOOPBACK}:{closed.getsockname()[1]}"
+        pair.d.expect(nobody, [unreachable])
+        assert receive_outcome(pair, bound=CONNECT_TIMEOUT + 1.0)["outcome"] == "failed"
+
+        race = SpawnedThreadRunsFirst(pair.d.pid, D_CONNECTOR, then=pair.relay.cut, seconds=10.0)
+        try:
+            pair.d.expect(pair.source, [first], ttl=2.0)
+            race.result(timeout=20.0)
+        finally:
+            race.end()
+        pair.row["fault"] = "connection reset after its handshake, lost before connected"
+        # Nothing was ready for ``first``: it ends without its KV, and nothing lands.
+        received = receive_outcome(pair, bound=2.0 + OUTCOME_BOUND)
+        assert received["outcome"] in ("failed", "cancelled"), received
+        assert_fenced(pair, first.request_id, seconds=1.0)
+
+        assert pair.p.ready([later]) == []
+        pair.d.expect(pair.source, [later])
+        again = receive_outcome(pair)
+        assert again["outcome"] == "done", (
+            f"a request after the lost connection was not served: {again['reason']}"
+        )
+        pair.verify([later])
+        assert_nothing_left_on_p(pair)
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
