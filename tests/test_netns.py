@@ -16,6 +16,7 @@ import contextlib
 import os
 import random
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from kvpush_lab.peer import NETNS_ENV, CacheShape, RemoteWorker
+from kvpush_lab.peer import NETNS_ENV, CacheShape, RemoteWorker, Request
 from tests.conftest import nixl_or_skip
-from tests.faults import wait_for
+from tests.faults import Bounds, Fault, Outcomes, fenced_through, wait_for
 from tests.test_transfer import P_SEED, make_requests
 
 SECRET = b"shared-secret-of-the-netns-pair"
@@ -288,3 +289,119 @@ def test_a_cut_link_lands_nothing_after_d_fails_even_once_healed(
     # holds nothing for the transfer any more.
     assert pair.p.events(1, timeout=OUTCOME_BOUND), "P reported no outcome"
     assert wait_for(lambda: pair.p.pending() == 0, OUTCOME_BOUND), "P kept the entry"
+
+
+# ---- one link cut, the other up ----------------------------------------------------------------
+#
+# Issue 16, on two links: the side channel on one, the WRITEs on the other, and one of them cut
+# under a WRITE that a throttled data link keeps going for seconds. The terms are the fault
+# matrix's for a WRITE in flight (tests/test_faults.py): at most one ``quarantined`` notice, then
+# one final event; no byte lands after a final failure; D's first event within its bound (peer
+# timeout + P's horizon) + 1 s of the cut, its final one within that again of the heal, P's
+# send event within its own (write timeout + 1 s margin) + 1 s of the cut (P runs throughout).
+# The link is healed as soon as D reports, and the throttle lifted: what is left of the WRITE
+# then moves at once, so that whatever the kernel and UCX still hold shows.
+
+#: Each case's measured time to outcome and canary result (printed with the fault matrix's).
+REPORT: list[dict[str, Any]] = []
+LINK_RATE = "1mbit"  # the WRITE below, 2 MiB, takes about 17 s at this rate
+# Over the data link, the cut comes this long before P gives the WRITE up: TCP's next
+# retransmission then falls after the heal, before it would give the connection up.
+CUT_BEFORE_GIVING_UP = 0.7
+BOUNDS = Bounds(d=PEER_TIMEOUT + HORIZON + 1.0, p=WRITE_TIMEOUT + 1.0 + 1.0, watch=WATCH)
+FENCE_UNDER_STALLS = "the fence under stalls: issue 16"
+
+
+class LinkCut(Fault):
+    """``veth`` cut now (P's end down), healed after ``seconds`` or at :meth:`end`: P's end up
+    again and the data link's throttle lifted."""
+
+    def __init__(self, hosts: Hosts, veth: Veth, seconds: float) -> None:
+        self.hosts, self.veth = hosts, veth
+        self._lock = threading.Lock()
+        hosts.link(up=False, veth=veth)
+        self.started = time.monotonic()
+        self._timer = threading.Timer(seconds, self.end)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def end(self) -> None:
+        with self._lock:
+            if self.ended is None:
+                self.ended = time.monotonic()
+                self.hosts.link(up=True, veth=self.veth)
+                self.hosts.unthrottle()
+        self._timer.cancel()
+
+
+def whole_cache_request() -> Request:
+    """One request that fills D's whole cache (2 MiB) from all of P's."""
+    tokens = D_SHAPE.num_blocks * D_SHAPE.block_tokens
+    assert tokens == P_SHAPE.num_blocks * P_SHAPE.block_tokens
+    p_blocks, d_blocks = tuple(range(P_SHAPE.num_blocks)), tuple(range(D_SHAPE.num_blocks))
+    return Request("cmpl-whole-0", tokens, p_blocks, d_blocks, transfer_id="xfer-whole")
+
+
+def start_slow_write(hosts: Hosts, pair: HostPair, request: Request) -> float:
+    """Throttles the data link and has P write ``request``; returns once D's cache shows the
+    first bytes, with when P's WRITE was matched (``time.monotonic()``)."""
+    hosts.throttle(LINK_RATE)
+    pair.d.expect(pair.p.address(), [request])
+    assert wait_for(lambda: pair.p.pending() == 1, 10.0), "D's registration never reached P"
+    assert pair.p.ready([request]) == []
+    matched = time.monotonic()
+    assert wait_for(lambda: pair.d.landed() > 0, 5.0), "P's WRITE landed nothing in 5 s"
+    return matched
+
+
+def assert_in_flight(pair: HostPair, request: Request, row: dict[str, Any], what: str) -> None:
+    landed, whole = pair.d.landed(), 2 * D_SHAPE.layers * request.tokens * D_SHAPE.token_bytes
+    row["fault"] = f"{what}, {landed >> 10} of {whole >> 10} KiB in"
+    assert 0 < landed < 0.99 * whole, (
+        f"the cut came with {landed} of the WRITE's {whole} bytes landed: the case needs a WRITE "
+        "in flight (some but not all of it landed)"
+    )
+
+
+def follow_the_cut(pair: HostPair, cut: LinkCut, request: Request, row: dict[str, Any]) -> None:
+    """Heals the cut as soon as D reports, then checks the fence and the bounds through it."""
+    fenced_through(
+        Outcomes(pair.p, pair.d, cut, stops_p=False),
+        request.request_id,
+        BOUNDS,
+        row,
+        lambda: pair.d.verify(P_SHAPE, P_SEED, [request])["wrong"] == 0,
+        end_fault_after_d=0.0,
+    )
+
+
+@pytest.mark.xfail(strict=True, reason=FENCE_UNDER_STALLS)
+def test_a_cut_data_link_under_a_live_side_channel_lands_nothing_after_d_fails(
+    two_links: Hosts, split_pair: HostPair
+) -> None:
+    """The data link is cut under P's WRITE while the side channel stays up: P gives the WRITE up
+    after its write timeout and says so at once, while the kernel still holds bytes for the cut
+    link (and UCX the rest); healed, the link carries them on."""
+    row: dict[str, Any] = {"case": "data-link-cut"}
+    REPORT.append(row)
+    request = whole_cache_request()
+    matched = start_slow_write(two_links, split_pair, request)
+    time.sleep(max(0.0, matched + WRITE_TIMEOUT - CUT_BEFORE_GIVING_UP - time.monotonic()))
+    with LinkCut(two_links, two_links.data, seconds=BOUNDS.d + 5.0) as cut:
+        assert_in_flight(split_pair, request, row, "data link cut, side channel up")
+        follow_the_cut(split_pair, cut, request, row)
+
+
+@pytest.mark.xfail(strict=True, reason=FENCE_UNDER_STALLS)
+def test_a_cut_side_channel_over_a_live_data_link_lands_nothing_after_d_fails(
+    two_links: Hosts, split_pair: HostPair
+) -> None:
+    """The side channel's link is cut under P's WRITE while the data link stays up: D loses P
+    and waits out P's horizon, P gives the WRITE up but cannot say so, and UCX keeps sending."""
+    row: dict[str, Any] = {"case": "side-channel-link-cut"}
+    REPORT.append(row)
+    request = whole_cache_request()
+    start_slow_write(two_links, split_pair, request)
+    with LinkCut(two_links, two_links.control, seconds=BOUNDS.d + 5.0) as cut:
+        assert_in_flight(split_pair, request, row, "side channel cut, data link up")
+        follow_the_cut(split_pair, cut, request, row)
