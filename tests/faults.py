@@ -836,6 +836,12 @@ def silent_prefixes(
 # section "a WRITE in flight when P stops" states the terms).
 
 
+class FenceBrokenError(AssertionError):
+    """The fence itself failed, not the case's set-up nor a bound: bytes landed in D's cache
+    after D's final failure, or D reported a final failure while P's WRITE could still land.
+    (Cases known to fail so mark their ``xfail`` with ``raises=FenceBrokenError``.)"""
+
+
 @dataclass(frozen=True)
 class Bounds:
     """What a case allows, in seconds, the 1 s of slack included. ``d``: from the fault's start
@@ -949,10 +955,11 @@ def fenced_through(
     sent = outcomes.sent
     row["p"] = f"{sent} after it ran again" if sent and outcomes.stops_p else str(sent)
     ended = outcomes.ended_at() - started
-    assert not landed, (
-        f"bytes landed in D's cache after D reported receive {request_id} {final.outcome} "
-        f"{final.at:.1f}s after the fault (which ended at {ended:.1f}s): {landed}"
-    )
+    if landed:
+        raise FenceBrokenError(
+            f"bytes landed in D's cache after D reported receive {request_id} {final.outcome} "
+            f"{final.at:.1f}s after the fault (which ended at {ended:.1f}s): {landed}"
+        )
     assert sent is not None, f"P reported no outcome within {bounds.p:.0f}s of running again"
     kinds = [seen.outcome for seen in outcomes.received]
     assert kinds in ([final.outcome], ["quarantined", final.outcome]), (

@@ -26,7 +26,7 @@ import pytest
 
 from kvpush_lab.peer import NETNS_ENV, CacheShape, RemoteWorker, Request
 from tests.conftest import nixl_or_skip
-from tests.faults import Bounds, Fault, Outcomes, fenced_through, wait_for
+from tests.faults import Bounds, Fault, FenceBrokenError, Outcomes, fenced_through, wait_for
 from tests.test_transfer import P_SEED, make_requests
 
 SECRET = b"shared-secret-of-the-netns-pair"
@@ -375,7 +375,7 @@ def follow_the_cut(pair: HostPair, cut: LinkCut, request: Request, row: dict[str
     )
 
 
-@pytest.mark.xfail(strict=True, reason=FENCE_UNDER_STALLS)
+@pytest.mark.xfail(strict=True, raises=FenceBrokenError, reason=FENCE_UNDER_STALLS)
 def test_a_cut_data_link_under_a_live_side_channel_lands_nothing_after_d_fails(
     two_links: Hosts, split_pair: HostPair
 ) -> None:
@@ -392,7 +392,7 @@ def test_a_cut_data_link_under_a_live_side_channel_lands_nothing_after_d_fails(
         follow_the_cut(split_pair, cut, request, row)
 
 
-@pytest.mark.xfail(strict=True, reason=FENCE_UNDER_STALLS)
+@pytest.mark.xfail(strict=True, raises=FenceBrokenError, reason=FENCE_UNDER_STALLS)
 def test_a_cut_side_channel_over_a_live_data_link_lands_nothing_after_d_fails(
     two_links: Hosts, split_pair: HostPair
 ) -> None:
