@@ -421,10 +421,10 @@ def test_d_paused_is_a_slow_reader_that_p_lets_go(transport: str) -> None:
 #   start and, once the fault ended, its final one within that bound again; P's send event
 #   within P's bound (write timeout + its 1 s margin) + 1 s of P running again.
 #
-# 2 vCPUs copy 256 MiB over cma in about 0.1 s, as 16,384 runs (each block its own run: a stop
-# falls between two copies, never inside one); over tcp, 128 MiB is far beyond the kernel's
-# socket buffers, so most of it waits in P's UCX when P stops, and what is left trickles in for
-# seconds once it is abandoned.
+# 2 vCPUs copy 256 MiB over cma in about 0.1 s, as 16,384 runs (blocks scattered over both
+# caches, each its own run: P copies in its post, and a stop falls between two copies, never
+# inside one); over tcp, 128 MiB is far beyond the kernel's socket buffers, so most of it waits
+# in P's UCX when P stops, and what is left trickles in for seconds once it is abandoned.
 WRITE_MIB = {"nixl": 256, "nixl-tcp": 128}
 WRITE_BLOCK_TOKENS = 256  # 16 KiB per layer and K/V
 WRITE_SEED = 26
@@ -442,12 +442,14 @@ RESUME_AFTER_D = 1.0
 # The stalls of P's writer thread alone: shorter and longer than P's horizon. D does not lose P
 # (its heartbeats go on), so even the longer one stays inside D's bound.
 THREAD_STALLS = {"shorter": 3.0, "longer": HORIZON + 1.5}
+# Over tcp, how long D's writer is held as P's runs again (see WriterStall).
+D_HOLD = 0.5
 FENCE_UNDER_STALLS = "the fence under stalls: issue 16"
 
 
 class WritePair:
     """A P and a D on NIXL, each in its own process, whose caches hold one large WRITE
-    (``request``, scattered over both caches), with UCX's connection between them already made
+    (``request``), with UCX's connection between them already made
     (a one-block transfer went first, so that the WRITE's bytes move as it is posted), and this
     case's line of the report."""
 
@@ -468,8 +470,15 @@ class WritePair:
             self.d = RemoteWorker(env, role="d", shape=shape, seed=None, transport="nixl",
                                   secret=SECRET, options=OPTIONS)  # fmt: skip
             self.horizon: float = self.p.write_horizon()
+            # Over cma, each block its own run (see above); over tcp, one run per layer and K/V,
+            # so that P's post of the WRITE is over at once and a stop finds it under way.
             rng = random.Random(24)
-            p_blocks, d_blocks = (rng.sample(range(1, blocks + 1), blocks) for _ in "pd")
+            p_blocks, d_blocks = (
+                rng.sample(range(1, blocks + 1), blocks)
+                if transport == "nixl"
+                else range(1, blocks + 1)
+                for _ in "pd"
+            )
             tokens = blocks * WRITE_BLOCK_TOKENS
             self.request = Request("cmpl-big-0", tokens, tuple(p_blocks), tuple(d_blocks),
                                    transfer_id="xfer-big")  # fmt: skip
@@ -556,6 +565,39 @@ def stop_mid_write(pair: WritePair, what: str, stop: Callable[[], Fault]) -> Fau
     return fault
 
 
+class WriterStall(Fault):
+    """P's writer thread alone stalled for ``seconds`` (its heartbeats go on). Over UCX tcp D's
+    writer, which is what lands P's bytes there, is also held from just before P's runs again
+    until ``D_HOLD`` after: P's first look at its WRITE then finds it still under way, as with a
+    D slow to read, rather than racing D's reads to finish it in one go."""
+
+    def __init__(self, pair: WritePair, seconds: float) -> None:
+        self._d_pid = pair.d.pid if pair.transport == "nixl-tcp" else None
+        self._lock = threading.Lock()
+        # Let go by end(), or by itself should end() never come.
+        self._p = ThreadStall(pair.p.pid, P_WRITER, seconds + D_HOLD + 5.0)
+        self.started = self._p.started
+        self._timer = threading.Timer(seconds, self.end)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def end(self) -> None:
+        with self._lock:
+            if self.ended is not None:
+                return
+            held = None
+            try:
+                if self._d_pid is not None:
+                    held = ThreadStall(self._d_pid, D_WRITER, D_HOLD + 1.0)
+            finally:
+                self.ended = time.monotonic()
+                self._p.end()
+            if held is not None:
+                time.sleep(D_HOLD)
+                held.end()
+        self._timer.cancel()
+
+
 def write_bounds(pair: WritePair) -> Bounds:
     return Bounds(d=PEER_TIMEOUT + pair.horizon + 1.0, p=P_BOUND + 1.0, watch=FENCE_WATCH)
 
@@ -571,6 +613,10 @@ def assert_fenced_through(pair: WritePair, fault: Fault, end_after_d: float | No
         pair.delivered_whole,
         end_fault_after_d=end_after_d,
     )
+    if pair.transport == "nixl-tcp":
+        assert pair.p.stats()["late_posts"] == 0, (
+            "P was stopped inside its post of the WRITE, not with the WRITE under way"
+        )
 
 
 def stall_param(transport: str, pause: str, *, fails_today: bool) -> Any:
@@ -622,9 +668,7 @@ def test_ps_writer_stalled_mid_write_lands_nothing_after_ds_final_failure(
     with write_pair(transport) as pair:
         seconds = THREAD_STALLS[pause]
         what = f"P's writer stalled {seconds:.1f}s"
-        with stop_mid_write(
-            pair, what, lambda: ThreadStall(pair.p.pid, P_WRITER, seconds)
-        ) as fault:
+        with stop_mid_write(pair, what, lambda: WriterStall(pair, seconds)) as fault:
             assert_fenced_through(pair, fault, end_after_d=None)
 
 
