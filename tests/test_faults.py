@@ -574,6 +574,7 @@ class WriterStall(Fault):
     def __init__(self, pair: WritePair, seconds: float) -> None:
         self._d_pid = pair.d.pid if pair.transport == "nixl-tcp" else None
         self._lock = threading.Lock()
+        self.error: BaseException | None = None
         # Let go by end(), or by itself should end() never come.
         self._p = ThreadStall(pair.p.pid, P_WRITER, seconds + D_HOLD + 5.0)
         self.started = self._p.started
@@ -589,6 +590,8 @@ class WriterStall(Fault):
             try:
                 if self._d_pid is not None:
                     held = ThreadStall(self._d_pid, D_WRITER, D_HOLD + 1.0)
+            except (LookupError, OSError, TimeoutError) as error:
+                self.error = error  # raised on leaving the ``with`` block: the timer's is lost
             finally:
                 self.ended = time.monotonic()
                 self._p.end()
@@ -596,6 +599,11 @@ class WriterStall(Fault):
                 time.sleep(D_HOLD)
                 held.end()
         self._timer.cancel()
+
+    def __exit__(self, *args: object) -> None:
+        self.end()
+        if self.error is not None and args[0] is None:
+            raise AssertionError(f"could not hold D's writer as P's ran again: {self.error}")
 
 
 def write_bounds(pair: WritePair) -> Bounds:
