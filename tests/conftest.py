@@ -57,15 +57,16 @@ def nixl_or_skip() -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The fault matrix's table (time to each side's outcome, canary), when it ran."""
-    faults = sys.modules.get("tests.test_faults")
-    rows = getattr(faults, "REPORT", None)
+    """The fault matrix's table (time to each side's outcome, canary), when it ran: the rows of
+    tests/test_faults.py, then tests/test_netns.py's."""
+    modules = (sys.modules.get(name) for name in ("tests.test_faults", "tests.test_netns"))
+    rows = [row for module in modules for row in getattr(module, "REPORT", [])]
     if not rows:
         return
     terminalreporter.section(
         "fault matrix: each side's outcomes and their times (from the fault), canary, P after"
     )
-    columns = ["case", "d", "p", "canary", "p_entries_left", "p_rss"]
+    columns = ["case", "fault", "d", "p", "canary", "p_entries_left", "p_rss"]
     terminalreporter.write_line(" | ".join(columns))
     for row in rows:
         terminalreporter.write_line(" | ".join(str(row.get(c, "-")) for c in columns))

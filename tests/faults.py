@@ -1,6 +1,6 @@
 """Fault injection for the P/D transfer tests: a relay that partitions or cuts the side channel,
-SIGSTOP/SIGCONT of a worker process and its resident memory, and hostile clients of a
-side-channel port.
+SIGSTOP/SIGCONT of a worker process and its resident memory, one thread of a worker stopped
+while the others run (ptrace), and hostile clients of a side-channel port.
 
 Everything here is bounded in time and in count, runs on threads that stop by themselves, and
 only ever talks to 127.0.0.1.
@@ -9,6 +9,7 @@ only ever talks to 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import random
 import select
@@ -19,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import psutil
 
@@ -287,11 +288,15 @@ class Relay:
 
 def pause(worker: RemoteWorker, timeout: float = 5.0) -> None:
     """Stops the worker's process (SIGSTOP) and waits until the kernel says it is stopped."""
-    os.kill(worker.pid, signal.SIGSTOP)
+    _stop_process(worker.pid, timeout)
+
+
+def _stop_process(pid: int, timeout: float) -> None:
+    os.kill(pid, signal.SIGSTOP)
     stopped = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-    process = psutil.Process(worker.pid)
+    process = psutil.Process(pid)
     if not wait_for(lambda: process.status() in stopped, timeout, interval=0.01):
-        raise TimeoutError(f"worker process {worker.pid} did not stop within {timeout}s")
+        raise TimeoutError(f"worker process {pid} did not stop within {timeout}s")
 
 
 def resume(worker: RemoteWorker) -> None:
@@ -309,10 +314,333 @@ def paused(worker: RemoteWorker) -> Iterator[None]:
         resume(worker)
 
 
+F = TypeVar("F", bound="Fault")
+# Longest any fault here holds (a process or a thread stopped), whatever the caller asked.
+MAX_STOP = 30.0
+
+
+class Fault:
+    """A fault that holds from now (a process or a thread stopped, a link cut) until it ends
+    after ``seconds`` by itself, or earlier by :meth:`end` (also on leaving the ``with`` block):
+    bounded whatever the test does. ``started`` is when it took hold (the kernel confirmed the
+    stop), ``ended`` when its end began (None until then), both ``time.monotonic()``."""
+
+    started: float
+    ended: float | None = None
+
+    def end(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: F) -> F:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self.end()
+
+
+class ProcessPause(Fault):
+    """Process ``pid`` stopped (SIGSTOP) as a whole: every thread, as a VM pause or a debugger
+    would; SIGCONT from a timer thread after ``seconds``."""
+
+    def __init__(self, pid: int, seconds: float) -> None:
+        if not 0 < seconds <= MAX_STOP:
+            raise ValueError(f"a pause lasts 0..{MAX_STOP}s, not {seconds}")
+        self.pid = pid
+        self._lock = threading.Lock()
+        _stop_process(pid, timeout=5.0)
+        self.started = time.monotonic()
+        self._timer = threading.Timer(seconds, self.end)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def end(self) -> None:
+        with self._lock:
+            if self.ended is None:
+                self.ended = time.monotonic()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGCONT)
+        self._timer.cancel()
+
+
+# ---- one thread of a process (ptrace) --------------------------------------------------------
+#
+# A thread is stopped with ptrace(2) while its process's other threads run on: PTRACE_SEIZE
+# attaches without stopping, PTRACE_INTERRUPT stops the thread wherever it is, PTRACE_DETACH lets
+# it go. The kernel ties a tracee to the thread that attached it, so each stop below runs on a
+# tracer thread of its own; and should that thread (or this process) end first, the kernel lets
+# the tracee go. Needs root, or a tracer allowed by Yama's ptrace_scope.
+
+# Requests, options, events and waitpid's __WALL (linux/ptrace.h, linux/wait.h).
+PTRACE_CONT = 7
+PTRACE_DETACH = 17
+PTRACE_SYSCALL = 24
+PTRACE_GETEVENTMSG = 0x4201
+PTRACE_SEIZE = 0x4206
+PTRACE_INTERRUPT = 0x4207
+PTRACE_O_TRACECLONE = 0x8
+PTRACE_EVENT_CLONE = 3
+WALL = 0x40000000
+# The kernel keeps this many characters of a thread's name (``/proc/PID/task/TID/comm``).
+THREAD_NAME_CHARS = 15
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.ptrace.restype = ctypes.c_long
+_libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+
+
+def _ptrace(request: int, tid: int, data: int = 0) -> None:
+    ctypes.set_errno(0)
+    if _libc.ptrace(request, tid, None, data or None) == -1 and (errno := ctypes.get_errno()):
+        raise OSError(errno, f"ptrace({request:#x}) of thread {tid}: {os.strerror(errno)}")
+
+
+def _event_message(tid: int) -> int:
+    """PTRACE_GETEVENTMSG: for a clone event, the new thread's id."""
+    message = ctypes.c_ulong()
+    _ptrace(PTRACE_GETEVENTMSG, tid, ctypes.addressof(message))
+    return message.value
+
+
+def _wait_stopped(tid: int, deadline: float) -> int:
+    """Waits (until ``deadline``) for traced thread ``tid`` to stop; its wait status."""
+    while True:
+        waited, status = os.waitpid(tid, WALL | os.WNOHANG)
+        if waited == tid:
+            if not os.WIFSTOPPED(status):
+                raise ProcessLookupError(f"thread {tid} ended while it was traced")
+            return status
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"thread {tid} did not stop in time")
+        time.sleep(0.001)
+
+
+def _signal_of(status: int) -> int:
+    """The signal a stop withheld from the thread (0 for ptrace's own stops): handed back when the
+    thread goes on, so that stopping it changes nothing else."""
+    is_ptrace_stop = status >> 16 != 0 or os.WSTOPSIG(status) == signal.SIGTRAP
+    return 0 if is_ptrace_stop else os.WSTOPSIG(status)
+
+
+def _let_go(tid: int, withheld: int = 0) -> None:
+    """Detaches from ``tid``, stopping it first if it runs (PTRACE_DETACH needs a stopped
+    tracee); a thread that is gone needs nothing."""
+    try:
+        _ptrace(PTRACE_DETACH, tid, withheld)
+        return
+    except OSError:
+        pass
+    with contextlib.suppress(OSError, TimeoutError, ProcessLookupError, ChildProcessError):
+        _ptrace(PTRACE_INTERRUPT, tid)
+        withheld = _signal_of(_wait_stopped(tid, time.monotonic() + 1.0))
+        _ptrace(PTRACE_DETACH, tid, withheld)
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Process ``pid``'s threads and their names (as the kernel keeps them: 15 characters)."""
+    names = {}
+    for entry in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{entry}/comm", encoding="utf-8") as comm:
+                names[int(entry)] = comm.read().strip()
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+    return names
+
+
+def thread_named(pid: int, name: str) -> int:
+    """Process ``pid``'s one thread named ``name`` (compared as far as the kernel keeps names);
+    LookupError, naming the threads there are, when there is none or more than one."""
+    names = thread_names(pid)
+    found = [tid for tid, comm in names.items() if comm == name[:THREAD_NAME_CHARS]]
+    if len(found) != 1:
+        raise LookupError(
+            f"process {pid} has {len(found)} threads named {name!r}: {sorted(names.values())}"
+        )
+    return found[0]
+
+
+def thread_state(pid: int, tid: int) -> str:
+    """The thread's state letter from ``/proc`` (``t``: stopped by its tracer), or "" if gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8") as stat:
+            return stat.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
+def _waits_on_a_lock(pid: int, tid: int) -> bool:
+    """Whether the thread sleeps in a futex (a mutex, a condition variable), or is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/wchan", encoding="utf-8") as wchan:
+            return "futex" in wchan.read()
+    except FileNotFoundError:
+        return True
+
+
+class _Tracer(Fault):
+    """A :class:`Fault` whose every ptrace call runs on one thread of its own (``_trace``)."""
+
+    def __init__(self, what: str) -> None:
+        self._stopped = threading.Event()
+        self._resume = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"ptrace-{what}", daemon=True)
+
+    def _start(self, timeout: float) -> None:
+        """Starts the tracer thread; returns once the stop is in place (or raises why not)."""
+        self._thread.start()
+        if not self._stopped.wait(timeout) and self._error is None:
+            self.end()
+            raise TimeoutError(f"{self._thread.name} did not stop its thread in {timeout:.0f}s")
+        if self._error is not None:
+            self.end()
+            raise self._error
+
+    def _run(self) -> None:
+        try:
+            self._trace()
+        except BaseException as error:
+            self._error = error
+            self._stopped.set()
+        finally:
+            self.ended = self.ended or time.monotonic()
+            self._done.set()
+
+    def _trace(self) -> None:
+        raise NotImplementedError
+
+    def end(self) -> None:
+        self._resume.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=MAX_STOP + 5.0)
+
+
+class ThreadStall(_Tracer):
+    """Thread ``name`` of process ``pid`` stopped while the process's other threads run on (its
+    heartbeats, its side channel): a writer thread stuck in a transport call, or descheduled for
+    seconds. Let go after ``seconds`` or at :meth:`end`."""
+
+    def __init__(self, pid: int, name: str, seconds: float) -> None:
+        if not 0 < seconds <= MAX_STOP:
+            raise ValueError(f"a stall lasts 0..{MAX_STOP}s, not {seconds}")
+        super().__init__(name)
+        self.pid = pid
+        self.tid = thread_named(pid, name)
+        self.seconds = seconds
+        self._start(timeout=5.0)
+
+    def _trace(self) -> None:
+        _ptrace(PTRACE_SEIZE, self.tid)
+        withheld = 0
+        try:
+            _ptrace(PTRACE_INTERRUPT, self.tid)
+            withheld = _signal_of(_wait_stopped(self.tid, time.monotonic() + 5.0))
+            self.started = time.monotonic()
+            self._stopped.set()
+            self._resume.wait(self.seconds)
+        finally:
+            self.ended = time.monotonic()
+            _let_go(self.tid, withheld)
+
+
+class SpawnedThreadRunsFirst(_Tracer):
+    """Makes one interleaving of two threads certain: thread ``name`` of process ``pid`` is held
+    at its next spawn of a thread; ``then()`` runs (on the tracer thread); the new thread runs
+    until it ends, while the spawner advances one system call at a time, only as far as it must
+    for the new thread to get on (a lock the spawner holds across the spawn is released with a
+    futex call); then the spawner goes on. Whatever the new thread does before it ends, it does
+    before the spawner's next step after the spawn. ``spawned`` is the new thread's id.
+
+    Waits at most ``seconds`` for the spawn; fails (:meth:`result`) if the new thread does not
+    end within a few seconds of being let go."""
+
+    STEP_WAIT = 0.5
+    MAX_STEPS = 16
+
+    def __init__(self, pid: int, name: str, then: Callable[[], None], seconds: float) -> None:
+        if not 0 < seconds <= MAX_STOP:
+            raise ValueError(f"the wait for a spawn lasts 0..{MAX_STOP}s, not {seconds}")
+        super().__init__(f"spawn-{name}")
+        self.pid = pid
+        self.tid = thread_named(pid, name)
+        self.seconds = seconds
+        self.spawned: int | None = None
+        self._then = then
+        self._thread.start()
+        # The spawner is only watched until it spawns: nothing is stopped yet.
+        self.started = time.monotonic()
+
+    def _gone(self, tid: int) -> bool:
+        return not thread_state(self.pid, tid)
+
+    def _trace(self) -> None:
+        _ptrace(PTRACE_SEIZE, self.tid, PTRACE_O_TRACECLONE)
+        withheld = 0
+        try:
+            deadline = time.monotonic() + self.seconds
+            while True:
+                status = _wait_stopped(self.tid, deadline)
+                if status >> 8 == signal.SIGTRAP | PTRACE_EVENT_CLONE << 8:
+                    break
+                # Any other stop before the spawn (a signal): the spawner goes on as it would.
+                _ptrace(PTRACE_CONT, self.tid, _signal_of(status))
+            spawned = self.spawned = _event_message(self.tid)
+            try:
+                _wait_stopped(spawned, time.monotonic() + 5.0)
+                self._stopped.set()
+                self._then()
+            finally:
+                _let_go(spawned)
+            if not wait_for(lambda: _waits_on_a_lock(self.pid, spawned), 5.0):
+                raise TimeoutError(f"thread {spawned} neither ended nor waited on a lock")
+            for _ in range(self.MAX_STEPS):
+                if wait_for(lambda: self._gone(spawned), self.STEP_WAIT, interval=0.01):
+                    return
+                _ptrace(PTRACE_SYSCALL, self.tid, withheld)
+                withheld = _signal_of(_wait_stopped(self.tid, time.monotonic() + 5.0))
+            raise TimeoutError(
+                f"thread {spawned} did not end within {self.MAX_STEPS} system calls of its spawner"
+            )
+        finally:
+            _let_go(self.tid, withheld)
+            self.ended = time.monotonic()
+
+    def result(self, timeout: float) -> int:
+        """Waits (bounded) until the spawner went on; the new thread's id, or why it failed."""
+        if not self._done.wait(timeout):
+            self.end()
+            raise TimeoutError(f"no spawn by thread {self.tid} was seen through in {timeout:.0f}s")
+        if self._error is not None:
+            raise self._error
+        assert self.spawned is not None
+        return self.spawned
+
+
 def rss_bytes(pid: int) -> int:
     """The resident memory of process ``pid``."""
     rss: int = psutil.Process(pid).memory_info().rss
     return rss
+
+
+def unread_tcp_bytes(pid: int) -> int:
+    """Bytes the kernel received for process ``pid``'s TCP sockets that the process has not read
+    yet (their receive queues in ``/proc/PID/net/tcp``, the process's own network namespace)."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                sockets.add(target[len("socket:[") : -1])
+    unread = 0
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}", encoding="ascii") as rows:
+            next(rows)  # the header
+            for row in rows:
+                fields = row.split()  # ... tx_queue:rx_queue (5th) ... inode (10th)
+                if fields[9] in sockets:
+                    unread += int(fields[4].partition(":")[2], 16)
+    return unread
 
 
 class PeakRss:
@@ -499,3 +827,183 @@ def silent_prefixes(
     """Opens ``connections`` connections that each announce an ``announced_len``-byte frame and
     stay silent; the handle closes them."""
     return SilentPrefixes(address, connections, announced_len, hold)
+
+
+# ---- the fence through a fault -----------------------------------------------------------------
+#
+# One transfer under one fault: both sides' events taken as they come and timed from the fault,
+# D's whole cache watched from its final failure, then the verdict (tests/test_faults.py's
+# section "a WRITE in flight when P stops" states the terms).
+
+
+class FenceBrokenError(AssertionError):
+    """The fence itself failed, not the case's set-up nor a bound: bytes landed in D's cache
+    after D's final failure, or D reported a final failure while P's WRITE could still land."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a case allows, in seconds, the 1 s of slack included. ``d``: from the fault's start
+    to D's first event, and from its end to D's final one; ``p``: from when P runs again to its
+    send event; ``watch``: how long D's cache is watched after both D's final failure and the
+    fault's end."""
+
+    d: float
+    p: float
+    watch: float
+
+
+@dataclass
+class Seen:
+    """An event, and when its endpoint reported it (the worker's ``at``): seconds after the
+    fault started (P's send event: after P ran again)."""
+
+    event: dict[str, Any]
+    at: float
+
+    @property
+    def outcome(self) -> str:
+        return str(self.event["outcome"])
+
+    def __str__(self) -> str:
+        return f"{self.outcome} {self.at:.1f}s"
+
+
+class Outcomes:
+    """Both sides' events for one transfer under ``fault``, taken as they come (D's worker
+    snapshots its cache at a final failure as it takes the event). ``stops_p``: the fault stops
+    P (its process or its writer), which then runs again at the fault's end, and its events are
+    taken only from then on (a stopped process would not answer); else P runs throughout."""
+
+    def __init__(self, p: Any, d: Any, fault: Fault, *, stops_p: bool) -> None:
+        self.p, self.d, self.fault, self.stops_p = p, d, fault, stops_p
+        self.received: list[Seen] = []
+        self.sent: Seen | None = None
+
+    def since_fault(self) -> float:
+        return time.monotonic() - self.fault.started
+
+    def ended_at(self) -> float:
+        """When the fault ended, or (while it lasts) the latest it can."""
+        return self.fault.ended or self.fault.started + MAX_STOP
+
+    def p_runs_since(self) -> float | None:
+        """Since when P runs (None while the fault stops it)."""
+        return self.fault.ended if self.stops_p else self.fault.started
+
+    @property
+    def final(self) -> Seen | None:
+        """D's final event (done, failed or cancelled), if it came."""
+        return next((seen for seen in self.received if seen.outcome != "quarantined"), None)
+
+    def take(self) -> None:
+        """One round (at most 0.1 s): D's events, then P's."""
+        for event in self.d.events(1, timeout=0.05):
+            self.received.append(Seen(event, event["at"] - self.fault.started))
+        running = self.p_runs_since()
+        if running is not None and self.sent is None:
+            for event in self.p.events(1, timeout=0.05):
+                self.sent = Seen(event, event["at"] - running)
+
+    def until(self, done: Callable[[], bool], deadline: Callable[[], float]) -> bool:
+        """Takes events until ``done()`` (True) or ``deadline()`` (a monotonic time) passes."""
+        while not done():
+            if time.monotonic() >= deadline():
+                return False
+            self.take()
+        return True
+
+
+def fenced_through(
+    outcomes: Outcomes,
+    request_id: str,
+    bounds: Bounds,
+    row: dict[str, Any],
+    delivered_whole: Callable[[], bool],
+    *,
+    end_fault_after_d: float | None = None,
+) -> None:
+    """The fence and the bounds for transfer ``request_id`` under ``outcomes.fault``, the
+    canary asserted first; fills the case's report ``row`` (columns d, p, canary) as it goes.
+    ``end_fault_after_d``: the fault ends this long after D's first event (else by itself).
+
+    D's events: at most one ``quarantined`` notice, then one final event. A final failure (or
+    cancel) starts the canary: no byte of D's whole cache changes until ``bounds.watch`` after
+    both it and the fault's end. A final done must have P's bytes (``delivered_whole``), and a
+    final failure must not be done on P."""
+    started = outcomes.fault.started
+    came = outcomes.until(lambda: bool(outcomes.received), lambda: started + bounds.d)
+    assert came, f"D reported nothing within {bounds.d:.0f}s of the fault"
+    if end_fault_after_d is not None:
+        end = started + outcomes.received[0].at + end_fault_after_d
+        outcomes.until(lambda: False, lambda: end)
+        outcomes.fault.end()
+    outcomes.until(lambda: outcomes.final is not None, lambda: outcomes.ended_at() + bounds.d)
+    row["d"] = ", then ".join(str(seen) for seen in outcomes.received)
+    final = outcomes.final
+    assert final is not None, (
+        f"D's receive stayed {outcomes.received[0].outcome} past {bounds.d:.0f}s after the "
+        "fault ended"
+    )
+    landed = _watch_canary(outcomes, request_id, final, bounds.watch, row)
+
+    def p_deadline() -> float:
+        return (outcomes.p_runs_since() or outcomes.ended_at()) + bounds.p
+
+    outcomes.until(lambda: outcomes.sent is not None, p_deadline)
+    sent = outcomes.sent
+    row["p"] = f"{sent} after it ran again" if sent and outcomes.stops_p else str(sent)
+    ended = outcomes.ended_at() - started
+    if landed:
+        raise FenceBrokenError(
+            f"bytes landed in D's cache after D reported receive {request_id} {final.outcome} "
+            f"{final.at:.1f}s after the fault (which ended at {ended:.1f}s): {landed}"
+        )
+    assert sent is not None, f"P reported no outcome within {bounds.p:.0f}s of running again"
+    kinds = [seen.outcome for seen in outcomes.received]
+    assert kinds in ([final.outcome], ["quarantined", final.outcome]), (
+        f"D's events for one receive: {kinds} (at most one notice, then one final event)"
+    )
+    first = outcomes.received[0]
+    assert first.at <= bounds.d, (
+        f"D's first event came {first.at:.1f}s after the fault (bound {bounds.d:.0f}s)"
+    )
+    assert final.at <= ended + bounds.d, (
+        f"D's final event came {final.at:.1f}s after the fault, which ended at {ended:.1f}s "
+        f"(bound {bounds.d:.0f}s after)"
+    )
+    if final.outcome == "done":
+        assert delivered_whole(), "D reported the receive done without P's bytes, whole"
+    else:
+        assert final.outcome in ("failed", "cancelled"), final.event
+        assert sent.outcome != "done", "P reports a transfer delivered that D reported failed"
+    assert wait_for(lambda: outcomes.p.pending() == 0, bounds.d), "P kept the transfer's entry"
+    assert outcomes.d.events(1, timeout=0.5) == [], "D reported the receive again"
+
+
+def _watch_canary(
+    outcomes: Outcomes, request_id: str, final: Seen, watch: float, row: dict[str, Any]
+) -> str:
+    """After a final failure ``final``: watches D's cache against its snapshot at that event
+    until ``watch`` after both the event and the fault's end (P may write until it runs again,
+    and then until its write is over), taking both sides' events meanwhile. "" when no byte
+    changed, else how many did and when."""
+    if final.outcome == "done":
+        return ""
+    first_seen, changed = 0.0, 0
+
+    def watched() -> bool:
+        ended = outcomes.fault.ended
+        return (
+            ended is not None
+            and time.monotonic() >= max(outcomes.fault.started + final.at, ended) + watch
+        )
+
+    while not watched():
+        outcomes.take()
+        now = outcomes.d.changed_since_failure(request_id)
+        if now and not changed:
+            first_seen = outcomes.since_fault()  # as the test saw it: as late as its polling
+        changed = max(changed, now)
+    row["canary"] = f"{changed:,} B changed, from {first_seen:.1f}s" if changed else "unchanged"
+    return f"{changed:,} bytes, the first seen {first_seen:.1f}s after the fault" if changed else ""

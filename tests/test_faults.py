@@ -1,19 +1,22 @@
-"""The fault matrix: kvpush's fence under partitions, pauses, crashes and hostile bytes.
+"""The fault matrix: kvpush's fence under partitions, pauses, stalls, crashes and hostile bytes.
 
 The property every test checks is the fence: **no byte lands in D's cache after D reported the
-receive failed.** D's worker snapshots its whole cache as it takes a failed receive's event
-(``Worker.events``); the test then watches that snapshot for longer than P could still be
+receive failed.** D's worker snapshots its whole cache as it takes a final failed (or
+cancelled) receive's event (``Worker.events``; a ``quarantined`` notice keeps the blocks, and
+is no such event); the test then watches that snapshot for longer than P could still be
 writing (past P's own silence timeout plus a write's timeout) and fails on the first byte that
 changed. Besides the fence, each test bounds when each side's outcome arrives and checks that P
 ends holding no entry for the transfer (``pending() == 0``).
 
 Transports are those of ``test_transfer``: the in-process loopback and NIXL between two
 processes over UCX on loopback (default transports, and ``UCX_TLS=tcp``). Faults that need a
-process of their own (SIGSTOP, SIGKILL) run on NIXL only.
+process of their own (SIGSTOP, SIGKILL, one thread stopped with ptrace) run on NIXL only; a
+WRITE caught in flight by them is the section "a WRITE in flight when P stops".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import socket
@@ -26,18 +29,28 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvpush_lab.peer import RemoteWorker, Request, Worker
+from kvpush_lab.peer import CacheShape, RemoteWorker, Request, Worker
+from tests.conftest import nixl_or_skip
 from tests.faults import (
     LOOPBACK,
+    Bounds,
     Direction,
+    Fault,
+    FenceBrokenError,
+    Outcomes,
     PeakRss,
+    ProcessPause,
     Relay,
+    SpawnedThreadRunsFirst,
+    ThreadStall,
+    fenced_through,
     garbage,
     loopback_address,
     oversized,
     paused,
     silent_prefixes,
     slowloris,
+    unread_tcp_bytes,
     wait_for,
 )
 from tests.test_transfer import P_SHAPE, TRANSPORTS, Pair, make_requests
@@ -61,6 +74,10 @@ FENCE_WATCH = PEER_TIMEOUT + WRITE_TIMEOUT + 1.0
 # The latest either side's outcome may come, from the moment the fault makes it due: D notices
 # the silence (peer timeout), waits out P's horizon, plus the 1 s the issue allows.
 OUTCOME_BOUND = PEER_TIMEOUT + HORIZON + 1.0
+# The threads of the workers' endpoints (engine ids "p-engine", "d-engine") that faults stop:
+# each one's writer, and D's connector (it connects D to its P workers, one at a time).
+P_WRITER, D_WRITER = "kvpush-writer-p-engine", "kvpush-writer-d-engine"
+D_CONNECTOR = "kvpush-connect-d-engine"
 #: Each case's measured time to outcome and canary result, printed at the end of the session
 #: (tests/conftest.py) and written to $KVPUSH_FAULT_REPORT as JSON lines when set.
 REPORT: list[dict[str, Any]] = []
@@ -70,14 +87,18 @@ MIB = 1 << 20
 T = TypeVar("T")
 
 
+def case_name() -> str:
+    """The running test's name (with its parameters), for the report."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0].split("::")[-1]
+
+
 class FaultPair(Pair):
     """``test_transfer``'s P and D pair with the matrix's timeouts, D reaching P directly or
     through a :class:`Relay`, and this case's line of the report."""
 
     def __init__(self, transport: str, *, relay: bool) -> None:
-        case = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0].split("::")[-1]
         #: This case's line of the report: outcomes, their times, the canary.
-        self.row: dict[str, Any] = {"case": case}
+        self.row: dict[str, Any] = {"case": case_name()}
         super().__init__(transport, SECRET, SECRET, OPTIONS)
         self.relay = Relay(self.p.address()) if relay else None
         self.source = self.relay.address if self.relay else self.p.address()
@@ -297,6 +318,52 @@ def test_side_channel_cut_then_a_reconnect_serves_new_transfers(transport: str) 
         pair.verify([second])
 
 
+class StrandedRequestError(AssertionError):
+    """D kept a lost connection as its way to P: a request to that P was refused."""
+
+
+def test_a_connection_lost_right_after_its_handshake_leaves_later_requests_served() -> None:
+    """D connects to P (through a relay) for a request, and the connection is reset right after
+    its handshake. Two of D's threads then report to its writer: the connecting thread that the
+    connection is up, the connection's own thread that it is lost. Whichever comes first, D must
+    not keep the lost connection as its way to P: a later request to that P is served.
+
+    The unlucky order is made certain: D's connecting thread is held as it spawns the
+    connection's thread (the handshake is over then), the relay resets the connection, and the
+    connecting thread goes on only once the connection's thread has reported the loss and
+    ended (:class:`SpawnedThreadRunsFirst`)."""
+    with fault_pair("nixl", relay=True) as pair:
+        assert pair.relay is not None
+        unreachable, first, later = make_requests(random.Random(25), 3, "race")
+        # D's connecting thread starts with D's first connection: make that one to a closed port.
+        with socket.create_server((LOOPBACK, 0)) as closed:
+            nobody = f"{LOOPBACK}:{closed.getsockname()[1]}"
+        pair.d.expect(nobody, [unreachable])
+        assert receive_outcome(pair, bound=CONNECT_TIMEOUT + 1.0)["outcome"] == "failed"
+
+        race = SpawnedThreadRunsFirst(pair.d.pid, D_CONNECTOR, then=pair.relay.cut, seconds=10.0)
+        try:
+            pair.d.expect(pair.source, [first], ttl=2.0)
+            race.result(timeout=20.0)
+        finally:
+            race.end()
+        pair.row["fault"] = "connection reset after its handshake, lost before connected"
+        # Nothing was ready for ``first``: it ends without its KV, and nothing lands.
+        received = receive_outcome(pair, bound=2.0 + OUTCOME_BOUND)
+        assert received["outcome"] in ("failed", "cancelled"), received
+        assert_fenced(pair, first.request_id, seconds=1.0)
+
+        assert pair.p.ready([later]) == []
+        pair.d.expect(pair.source, [later])
+        again = receive_outcome(pair)
+        if again["outcome"] != "done":
+            raise StrandedRequestError(
+                f"a request after the lost connection was not served: {again}"
+            )
+        pair.verify([later])
+        assert_nothing_left_on_p(pair)
+
+
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 def test_d_cancels_and_p_acknowledges_before_anything_is_written(transport: str) -> None:
     """A client disconnect on D: D's blocks are handed back only on P's acknowledgement, and
@@ -345,6 +412,309 @@ def test_d_paused_is_a_slow_reader_that_p_lets_go(transport: str) -> None:
         assert received["outcome"] == "failed", received
         assert_fenced(pair, request.request_id)
         assert_not_delivered(send_outcome(pair, refused))
+
+
+# ---- a WRITE in flight when P stops ----------------------------------------------------------
+#
+# Issue 16: P's process stopped (SIGSTOP), or its writer thread alone (ptrace), while a large
+# WRITE is under way, for pauses shorter and longer than P's horizon. NIXL cannot revoke a posted
+# WRITE and its release does not stop UCX, so the bytes land whenever whoever moves them runs
+# again: P's own process with cma (the default transports on one host), D's UCX progress with
+# tcp. The fence's terms (what these cases check):
+#
+# * D's events for the request: at most one ``quarantined`` notice (D has no proof that P's
+#   bytes can no longer land: it keeps the blocks and waits), then at most one final event
+#   (done, failed or cancelled). The canary starts at a final failed or cancelled event and
+#   watches D's whole cache until ``FENCE_WATCH`` after both it and the fault's end; a final
+#   done must have P's bytes, whole.
+# * D's first event comes within D's bound (peer timeout + P's horizon) + 1 s of the fault's
+#   start and, once the fault ended, its final one within that bound again; P's send event
+#   within P's bound (write timeout + its 1 s margin) + 1 s of P running again.
+#
+# 2 vCPUs copy 256 MiB over cma in about 0.1 s, as 16,384 runs (blocks scattered over both
+# caches, each its own run: P copies in its post, and a stop falls between two copies, never
+# inside one); over tcp, 128 MiB is far beyond the kernel's socket buffers, so most of it waits
+# in P's UCX when P stops, and what is left trickles in for seconds once it is abandoned.
+WRITE_MIB = {"nixl": 256, "nixl-tcp": 128}
+WRITE_BLOCK_TOKENS = 256  # 16 KiB per layer and K/V
+WRITE_SEED = 26
+# D's cache sampled every this many bytes: a probe for a WRITE's first bytes cheap enough to
+# poll while P copies.
+PROBE_STRIDE = 4096
+# P's bound on its own outcome: a write is abandoned after its timeout, plus P's horizon's 1 s
+# margin.
+P_BOUND = WRITE_TIMEOUT + 1.0
+# The pauses of the whole process: shorter than P's horizon (D has lost P, but P runs again
+# before D's wait for it is over), and longer: until D has reported (its wait for P is over, or
+# it says it holds the blocks), and this long after.
+PROCESS_PAUSES = {"shorter": 4.5}
+RESUME_AFTER_D = 1.0
+# The stalls of P's writer thread alone: shorter and longer than P's horizon. D does not lose P
+# (its heartbeats go on), so even the longer one stays inside D's bound.
+THREAD_STALLS = {"shorter": 3.0, "longer": HORIZON + 1.5}
+# Over tcp, how long D's writer is held as P's runs again (see WriterStall).
+D_HOLD = 0.5
+
+
+class WritePair:
+    """A P and a D on NIXL, each in its own process, whose caches hold one large WRITE
+    (``request``), with UCX's connection between them already made
+    (a one-block transfer went first, so that the WRITE's bytes move as it is posted), and this
+    case's line of the report."""
+
+    def __init__(self, transport: str) -> None:
+        env = TRANSPORTS[transport]
+        assert env is not None, "a WRITE pair runs on NIXL"
+        self.transport = transport
+        self.row: dict[str, Any] = {"case": case_name()}
+        one = CacheShape(layers=4, num_blocks=1, block_tokens=WRITE_BLOCK_TOKENS)
+        blocks = (WRITE_MIB[transport] << 20) // (
+            2 * one.layers * one.block_tokens * one.token_bytes
+        )
+        shape = dataclasses.replace(one, num_blocks=blocks + 1)  # block 0 for the warm-up
+        self.p: Any = RemoteWorker(env, role="p", shape=shape, seed=WRITE_SEED, transport="nixl",
+                                   secret=SECRET, options=OPTIONS)  # fmt: skip
+        self.d: Any = None
+        try:
+            self.d = RemoteWorker(env, role="d", shape=shape, seed=None, transport="nixl",
+                                  secret=SECRET, options=OPTIONS)  # fmt: skip
+            self.horizon: float = self.p.write_horizon()
+            # Over cma, each block its own run (see above); over tcp, one run per layer and K/V,
+            # so that P's post of the WRITE is over at once and a stop finds it under way.
+            rng = random.Random(24)
+            p_blocks, d_blocks = (
+                rng.sample(range(1, blocks + 1), blocks)
+                if transport == "nixl"
+                else range(1, blocks + 1)
+                for _ in "pd"
+            )
+            tokens = blocks * WRITE_BLOCK_TOKENS
+            self.request = Request("cmpl-big-0", tokens, tuple(p_blocks), tuple(d_blocks),
+                                   transfer_id="xfer-big")  # fmt: skip
+            self.bytes = 2 * shape.layers * tokens * shape.token_bytes
+            self._warm_up(Request("cmpl-warm-0", WRITE_BLOCK_TOKENS, (0,), (0,),
+                                  transfer_id="xfer-warm"))  # fmt: skip
+            # What the warm-up landed, as each probe counts it.
+            self.before = {stride: int(self.d.landed(stride)) for stride in (1, PROBE_STRIDE)}
+        except BaseException:
+            self.close()
+            raise
+
+    def _warm_up(self, request: Request) -> None:
+        self.d.expect(self.p.address(), [request])
+        assert wait_for(lambda: self.p.pending() == 1, 10.0), "D's registration never reached P"
+        assert self.p.ready([request]) == []
+        (received,) = self.d.events(1, timeout=10.0)
+        (sent,) = self.p.events(1, timeout=10.0)
+        assert received["outcome"] == sent["outcome"] == "done", (received, sent)
+
+    def landed(self, stride: int = 1) -> int:
+        """Bytes of the large WRITE in D's cache so far (``stride``: a sampled estimate)."""
+        return int(self.d.landed(stride)) - self.before[stride]
+
+    def delivered_whole(self) -> bool:
+        blocks = list(self.request.p_blocks), list(self.request.d_blocks)
+        return bool(self.p.blocks_digest(blocks[0]) == self.d.blocks_digest(blocks[1]))
+
+    def close(self) -> None:
+        REPORT.append(self.row)
+        try:
+            if self.d is not None:
+                self.d.close()
+        finally:
+            self.p.close()
+
+
+@contextmanager
+def write_pair(transport: str) -> Iterator[WritePair]:
+    pair = WritePair(transport)
+    try:
+        yield pair
+    finally:
+        pair.close()
+
+
+def stop_mid_write(pair: WritePair, what: str, stop: Callable[[], Fault]) -> Fault:
+    """Posts P's WRITE and ``stop()``s P (``what``: its process or its writer thread) while
+    the WRITE is under way; fails, naming what it saw, unless some but not all of it had landed
+    in D by then. Over tcp D's own writer (which lands the bytes) is held until P is stopped, so
+    that the WRITE cannot finish first; over cma P is stopped as soon as D's cache shows its
+    first bytes."""
+    pair.d.expect(pair.p.address(), [pair.request])
+    assert wait_for(lambda: pair.p.pending() == 1, 10.0), "D's registration never reached P"
+    if pair.transport == "nixl-tcp":
+        with ThreadStall(pair.d.pid, D_WRITER, seconds=5.0):
+            assert pair.p.ready([pair.request]) == []
+            assert wait_for(lambda: unread_tcp_bytes(pair.d.pid) >= 32 << 10, 5.0), (
+                "P's WRITE never filled D's socket: was it posted?"
+            )
+            fault = stop()
+    else:
+        assert pair.p.ready([pair.request]) == []
+        assert wait_for(lambda: pair.landed(PROBE_STRIDE) > 0, 10.0, interval=0.0), (
+            "P's WRITE landed nothing in 10 s"
+        )
+        fault = stop()
+    try:
+        # D's UCX lands what the kernel already holds; then nothing more comes while P is stopped.
+        sizes = [pair.landed()]
+        while len(sizes) < 3 or sizes[-1] != sizes[-2]:
+            assert len(sizes) < 30, f"D's cache kept changing while P was stopped: {sizes}"
+            time.sleep(0.1)
+            sizes.append(pair.landed())
+        landed = sizes[-1]
+        pair.row["fault"] = f"{what}, {landed / MIB:.1f} of {pair.bytes / MIB:.0f} MiB in"
+        assert 0 < landed < 0.99 * pair.bytes, (
+            f"P stopped with {landed} of its WRITE's {pair.bytes} bytes landed in D: the case "
+            "needs a WRITE in flight (some but not all of it landed)"
+        )
+    except BaseException:
+        fault.end()
+        raise
+    return fault
+
+
+class WriterStall(Fault):
+    """P's writer thread alone stalled for ``seconds`` (its heartbeats go on). Over UCX tcp D's
+    writer, which is what lands P's bytes there, is also held from just before P's runs again
+    until ``D_HOLD`` after: P's first look at its WRITE then finds it still under way, as with a
+    D slow to read, rather than racing D's reads to finish it in one go."""
+
+    def __init__(self, pair: WritePair, seconds: float) -> None:
+        self._d_pid = pair.d.pid if pair.transport == "nixl-tcp" else None
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        # Let go by end(), or by itself should end() never come.
+        self._p = ThreadStall(pair.p.pid, P_WRITER, seconds + D_HOLD + 5.0)
+        self.started = self._p.started
+        self._timer = threading.Timer(seconds, self.end)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def end(self) -> None:
+        with self._lock:
+            if self.ended is not None:
+                return
+            held = None
+            try:
+                if self._d_pid is not None:
+                    held = ThreadStall(self._d_pid, D_WRITER, D_HOLD + 1.0)
+            except (LookupError, OSError, TimeoutError) as error:
+                self.error = error  # raised on leaving the ``with`` block: the timer's is lost
+            finally:
+                self.ended = time.monotonic()
+                self._p.end()
+            if held is not None:
+                time.sleep(D_HOLD)
+                held.end()
+        self._timer.cancel()
+
+    def __exit__(self, *args: object) -> None:
+        self.end()
+        if self.error is not None and args[0] is None:
+            raise AssertionError(f"could not hold D's writer as P's ran again: {self.error}")
+
+
+def write_bounds(pair: WritePair) -> Bounds:
+    return Bounds(d=PEER_TIMEOUT + pair.horizon + 1.0, p=P_BOUND + 1.0, watch=FENCE_WATCH)
+
+
+def assert_fenced_through(pair: WritePair, fault: Fault, end_after_d: float | None) -> None:
+    """The fence and the bounds through ``fault``, P's stop (see the section's head); it ends
+    ``end_after_d`` after D's first event, else by itself."""
+    fenced_through(
+        Outcomes(pair.p, pair.d, fault, stops_p=True),
+        pair.request.request_id,
+        write_bounds(pair),
+        pair.row,
+        pair.delivered_whole,
+        end_fault_after_d=end_after_d,
+    )
+    if pair.transport == "nixl-tcp":
+        assert pair.p.stats()["late_posts"] == 0, (
+            "P was stopped inside its post of the WRITE, not with the WRITE under way"
+        )
+
+
+def stall_param(transport: str, pause: str) -> Any:
+    return pytest.param(transport, pause, id=f"{transport}-{pause}")
+
+
+@pytest.mark.parametrize(
+    ("transport", "pause"),
+    [
+        stall_param("nixl", "shorter"),
+        stall_param("nixl", "longer"),
+        stall_param("nixl-tcp", "shorter"),
+        stall_param("nixl-tcp", "longer"),
+    ],
+)
+def test_p_stopped_mid_write_lands_nothing_after_ds_final_failure(
+    transport: str, pause: str
+) -> None:
+    """P's whole process stopped with its WRITE partly landed, then running again."""
+    nixl_or_skip()
+    with write_pair(transport) as pair:
+        if pause == "shorter":
+            seconds, end_after_d = PROCESS_PAUSES[pause], None
+            what = f"P stopped {seconds:.1f}s"
+        else:
+            seconds, end_after_d = write_bounds(pair).d + RESUME_AFTER_D, RESUME_AFTER_D
+            what = f"P stopped until {RESUME_AFTER_D:.0f}s after D's first event"
+        with stop_mid_write(pair, what, lambda: ProcessPause(pair.p.pid, seconds)) as fault:
+            assert_fenced_through(pair, fault, end_after_d)
+
+
+@pytest.mark.parametrize(
+    ("transport", "pause"),
+    [
+        stall_param("nixl", "shorter"),
+        stall_param("nixl", "longer"),
+        stall_param("nixl-tcp", "shorter"),
+        stall_param("nixl-tcp", "longer"),
+    ],
+)
+def test_ps_writer_stalled_mid_write_lands_nothing_after_ds_final_failure(
+    transport: str, pause: str
+) -> None:
+    """P's writer thread alone stopped with its WRITE partly landed (P's heartbeats go on), then
+    running again."""
+    nixl_or_skip()
+    with write_pair(transport) as pair:
+        seconds = THREAD_STALLS[pause]
+        what = f"P's writer stalled {seconds:.1f}s"
+        with stop_mid_write(pair, what, lambda: WriterStall(pair, seconds)) as fault:
+            assert_fenced_through(pair, fault, end_after_d=None)
+
+
+def test_p_stopped_mid_write_for_good_leaves_d_quarantined_not_failed() -> None:
+    """P stops with its WRITE partly landed and never runs again: D cannot know the WRITE will
+    not go on, so within its bound it reports the receive quarantined (keeping the blocks) and
+    no final failure while P is stopped. (P is killed at the end, still stopped: D cannot tell
+    a dead P from a stopped one either.)"""
+    nixl_or_skip()
+    with write_pair("nixl-tcp") as pair:
+        d_bound = write_bounds(pair).d
+        watch = d_bound + 3.0
+        what = "P stopped for good"
+        with stop_mid_write(pair, what, lambda: ProcessPause(pair.p.pid, watch + 5.0)) as fault:
+            outcomes = Outcomes(pair.p, pair.d, fault, stops_p=True)
+            outcomes.until(lambda: False, lambda: fault.started + watch)
+            pair.row["d"] = ", then ".join(str(seen) for seen in outcomes.received) or "nothing"
+            pair.row["p"] = "stopped for good"
+            pair.p.kill()
+        kinds = [seen.outcome for seen in outcomes.received]
+        assert kinds, f"D reported nothing within {d_bound:.0f}s of losing P"
+        if outcomes.final is not None and outcomes.final.outcome != "done":
+            raise FenceBrokenError(
+                f"D reported the receive {outcomes.final} after P stopped mid-WRITE, with P still "
+                "stopped: a final failure before P's fate is known hands back blocks its WRITE "
+                "may still land in"
+            )
+        assert kinds == ["quarantined"], f"D's events while P was stopped mid-WRITE: {kinds}"
+        assert outcomes.received[0].at <= d_bound, (
+            f"D's notice came {outcomes.received[0].at:.1f}s after P stopped (bound {d_bound:.0f}s)"
+        )
 
 
 # ---- duplicate registration ------------------------------------------------------------------

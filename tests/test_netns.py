@@ -1,5 +1,7 @@
 """A real network partition: P and D as two hosts (network namespaces joined by a veth pair),
-NIXL over UCX's TCP transport between them, and the link cut while D waits for its KV.
+NIXL over UCX's TCP transport between them, and the link cut while D waits for its KV; and two
+hosts joined by two links, the side channel on one and NIXL's WRITEs on the other, one of them
+cut under a WRITE while the other stays up.
 
 The property is the fault matrix's (tests/test_faults.py): no byte lands in D's cache after D
 reported the receive failed, here also after the link comes back, when whatever the kernel
@@ -10,9 +12,11 @@ of tests/test_faults.py cover the property on loopback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,20 +24,22 @@ from typing import Any
 
 import pytest
 
-from kvpush_lab.peer import NETNS_ENV, CacheShape, RemoteWorker
+from kvpush_lab.peer import NETNS_ENV, CacheShape, RemoteWorker, Request
 from tests.conftest import nixl_or_skip
-from tests.faults import wait_for
+from tests.faults import Bounds, Fault, Outcomes, fenced_through, wait_for
 from tests.test_transfer import P_SEED, make_requests
 
 SECRET = b"shared-secret-of-the-netns-pair"
 PEER_TIMEOUT = 2.0
-OPTIONS = {"heartbeat_interval": 0.2, "peer_timeout": PEER_TIMEOUT, "write_timeout": 2.0}
+WRITE_TIMEOUT = 2.0
+OPTIONS = {"heartbeat_interval": 0.2, "peer_timeout": PEER_TIMEOUT, "write_timeout": WRITE_TIMEOUT}
 # TCP gives up on a connection after this many retransmissions (0.2 + 0.4 + 0.8 + 1.6 s = 3 s
 # from TCP's minimum timeout): P's write horizon includes that span, since bytes the kernel
 # holds for a cut link are delivered when it comes back, until TCP gives up.
 TCP_RETRIES = 3
 TCP_SPAN = 3.0
-HORIZON = PEER_TIMEOUT + 2.0 + TCP_SPAN + 1.0  # lease + write timeout + TCP's span + margin
+# P's write horizon: lease + write timeout + TCP's span + margin.
+HORIZON = PEER_TIMEOUT + WRITE_TIMEOUT + TCP_SPAN + 1.0
 OUTCOME_BOUND = PEER_TIMEOUT + HORIZON + 1.0  # D notices the silence, waits out the horizon, +1
 WATCH = 5.0  # how long D's cache is watched once the link is healed after D's failure
 P_SHAPE = CacheShape(layers=4, num_blocks=256, block_tokens=16)
@@ -52,35 +58,53 @@ def tc(*args: str) -> None:
 
 
 @dataclass
-class Hosts:
-    """Two network namespaces joined by a veth pair: P at ``p_ip`` on ``p_dev``, D likewise."""
+class Veth:
+    """One veth pair between the two namespaces: P's end ``p_dev`` at ``p_ip``, D's likewise."""
 
-    p_ns: str
-    d_ns: str
     p_dev: str
     d_dev: str
     p_ip: str
     d_ip: str
 
-    def link(self, up: bool) -> None:
-        """Cuts (or restores) the wire: P's end of the veth goes down (or up)."""
-        ip("-n", self.p_ns, "link", "set", self.p_dev, "up" if up else "down")
+
+@dataclass
+class Hosts:
+    """Two network namespaces joined by one or more veth pairs: the side channel runs on the
+    first (``control``), NIXL's WRITEs on the last (``data``): the same one when there is one."""
+
+    p_ns: str
+    d_ns: str
+    veths: list[Veth]
+
+    @property
+    def control(self) -> Veth:
+        return self.veths[0]
+
+    @property
+    def data(self) -> Veth:
+        return self.veths[-1]
+
+    def link(self, up: bool, veth: Veth | None = None) -> None:
+        """Cuts (or restores) a wire (the data link unless told): P's end goes down (or up)."""
+        dev = (veth or self.data).p_dev
+        ip("-n", self.p_ns, "link", "set", dev, "up" if up else "down")
 
     def drop_from_p(self, on: bool) -> None:
-        """Drops every packet P sends to D (a blackhole route in P's namespace) while D's still
-        reach P: one direction cut, both sockets open, nothing told."""
+        """Drops every packet P sends to D on the data link (a blackhole route in P's
+        namespace) while D's still reach P: one direction cut, both sockets open, nothing told."""
         verb = "add" if on else "del"
-        ip("-n", self.p_ns, "route", verb, "blackhole", f"{self.d_ip}/32")
+        ip("-n", self.p_ns, "route", verb, "blackhole", f"{self.data.d_ip}/32")
 
     def throttle(self, rate: str) -> None:
-        """Slows what P sends (a token bucket on its end) so that a WRITE takes seconds."""
+        """Slows what P sends on the data link (a token bucket on its end) so that a WRITE
+        takes seconds."""
         tc(
             "-n",
             self.p_ns,
             "qdisc",
             "add",
             "dev",
-            self.p_dev,
+            self.data.p_dev,
             "root",
             "tbf",
             "rate",
@@ -91,25 +115,39 @@ class Hosts:
             "400ms",
         )
 
+    def unthrottle(self) -> None:
+        """Lifts :meth:`throttle` (nothing if there is none)."""
+        with contextlib.suppress(subprocess.CalledProcessError):
+            tc("-n", self.p_ns, "qdisc", "del", "dev", self.data.p_dev, "root")
 
-@pytest.fixture
-def hosts() -> Iterator[Hosts]:
+
+@contextlib.contextmanager
+def namespaces(veths: int) -> Iterator[Hosts]:
+    """P's and D's namespaces joined by ``veths`` veth pairs (each its own subnet), TCP's
+    retransmissions cut to ``TCP_RETRIES`` in both; removed on leaving. Skips the test where
+    namespaces cannot be made."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root; tests/test_faults.py's relay covers this")
     n = os.getpid() % 10_000
-    net = f"10.213.{n % 250}"
-    made = Hosts(f"kvpush-p{n}", f"kvpush-d{n}", f"kvp{n}p", f"kvp{n}d", f"{net}.1", f"{net}.2")
+    subnet = n % 250
+    veth_list = [
+        Veth(
+            f"kv{kind}{n}p", f"kv{kind}{n}d", f"10.{213 + i}.{subnet}.1", f"10.{213 + i}.{subnet}.2"
+        )
+        for i, kind in enumerate("px"[:veths])
+    ]
+    made = Hosts(f"kvpush-p{n}", f"kvpush-d{n}", veth_list)
     try:
         ip("netns", "add", made.p_ns)
         ip("netns", "add", made.d_ns)
-        ip("link", "add", made.p_dev, "type", "veth", "peer", "name", made.d_dev)
-        for ns, dev, addr in (
-            (made.p_ns, made.p_dev, made.p_ip),
-            (made.d_ns, made.d_dev, made.d_ip),
-        ):
-            ip("link", "set", dev, "netns", ns)
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            ip("-n", ns, "link", "set", dev, "up")
+        for veth in made.veths:
+            ip("link", "add", veth.p_dev, "type", "veth", "peer", "name", veth.d_dev)
+            for ns, dev, addr in ((made.p_ns, veth.p_dev, veth.p_ip),
+                                  (made.d_ns, veth.d_dev, veth.d_ip)):  # fmt: skip
+                ip("link", "set", dev, "netns", ns)
+                ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                ip("-n", ns, "link", "set", dev, "up")
+        for ns in (made.p_ns, made.d_ns):
             ip("-n", ns, "link", "set", "lo", "up")
             for sysctl in ("tcp_retries2", "tcp_orphan_retries"):
                 ip(
@@ -135,8 +173,22 @@ def hosts() -> Iterator[Hosts]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    with namespaces(veths=1) as made:
+        yield made
+
+
+@pytest.fixture
+def two_links() -> Iterator[Hosts]:
+    """P and D joined by two links: the side channel on one, NIXL's WRITEs on the other."""
+    with namespaces(veths=2) as made:
+        yield made
+
+
 class HostPair:
-    """P and D workers, each in its own namespace, NIXL over UCX/TCP on the veth."""
+    """P and D workers, each in its own namespace: the side channel on the control link, NIXL
+    over UCX/TCP on the data link (and only there: neither cma nor shared memory)."""
 
     def __init__(self, hosts: Hosts) -> None:
         nixl_or_skip()
@@ -152,8 +204,9 @@ class HostPair:
                 options={**OPTIONS, "bind": f"{addr}:0"},
             )
 
-        self.p: Any = worker("p", hosts.p_ns, hosts.p_dev, hosts.p_ip, P_SEED)
-        self.d: Any = worker("d", hosts.d_ns, hosts.d_dev, hosts.d_ip, None)
+        control, data = hosts.control, hosts.data
+        self.p: Any = worker("p", hosts.p_ns, data.p_dev, control.p_ip, P_SEED)
+        self.d: Any = worker("d", hosts.d_ns, data.d_dev, control.d_ip, None)
 
     def close(self) -> None:
         self.d.close()
@@ -163,6 +216,16 @@ class HostPair:
 @pytest.fixture
 def pair(hosts: Hosts) -> Iterator[HostPair]:
     made = HostPair(hosts)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture
+def split_pair(two_links: Hosts) -> Iterator[HostPair]:
+    """A pair whose side channel and WRITEs take separate links."""
+    made = HostPair(two_links)
     try:
         yield made
     finally:
@@ -240,3 +303,116 @@ def test_a_cut_link_lands_nothing_after_d_fails_even_once_healed(
     # holds nothing for the transfer any more.
     assert pair.p.events(1, timeout=OUTCOME_BOUND), "P reported no outcome"
     assert wait_for(lambda: pair.p.pending() == 0, OUTCOME_BOUND), "P kept the entry"
+
+
+# ---- one link cut, the other up ----------------------------------------------------------------
+#
+# Issue 16, on two links: the side channel on one, the WRITEs on the other, and one of them cut
+# under a WRITE that a throttled data link keeps going for seconds. The terms are the fault
+# matrix's for a WRITE in flight (tests/test_faults.py): at most one ``quarantined`` notice, then
+# one final event; no byte lands after a final failure; D's first event within its bound (peer
+# timeout + P's horizon) + 1 s of the cut, its final one within that again of the heal, P's
+# send event within its own (write timeout + 1 s margin) + 1 s of the cut (P runs throughout).
+# The link is healed as soon as D reports, and the throttle lifted: what is left of the WRITE
+# then moves at once, so that whatever the kernel and UCX still hold shows.
+
+#: Each case's measured time to outcome and canary result (printed with the fault matrix's).
+REPORT: list[dict[str, Any]] = []
+LINK_RATE = "1mbit"  # the WRITE below, 2 MiB, takes about 17 s at this rate
+# Over the data link, the cut comes this long before P gives the WRITE up: TCP's next
+# retransmission then falls after the heal, before it would give the connection up.
+CUT_BEFORE_GIVING_UP = 0.7
+BOUNDS = Bounds(d=PEER_TIMEOUT + HORIZON + 1.0, p=WRITE_TIMEOUT + 1.0 + 1.0, watch=WATCH)
+
+
+class LinkCut(Fault):
+    """``veth`` cut now (P's end down), healed after ``seconds`` or at :meth:`end`: P's end up
+    again and the data link's throttle lifted."""
+
+    def __init__(self, hosts: Hosts, veth: Veth, seconds: float) -> None:
+        self.hosts, self.veth = hosts, veth
+        self._lock = threading.Lock()
+        hosts.link(up=False, veth=veth)
+        self.started = time.monotonic()
+        self._timer = threading.Timer(seconds, self.end)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def end(self) -> None:
+        with self._lock:
+            if self.ended is None:
+                self.ended = time.monotonic()
+                self.hosts.link(up=True, veth=self.veth)
+                self.hosts.unthrottle()
+        self._timer.cancel()
+
+
+def whole_cache_request() -> Request:
+    """One request that fills D's whole cache (2 MiB) from all of P's."""
+    tokens = D_SHAPE.num_blocks * D_SHAPE.block_tokens
+    assert tokens == P_SHAPE.num_blocks * P_SHAPE.block_tokens
+    p_blocks, d_blocks = tuple(range(P_SHAPE.num_blocks)), tuple(range(D_SHAPE.num_blocks))
+    return Request("cmpl-whole-0", tokens, p_blocks, d_blocks, transfer_id="xfer-whole")
+
+
+def start_slow_write(hosts: Hosts, pair: HostPair, request: Request) -> float:
+    """Throttles the data link and has P write ``request``; returns once D's cache shows the
+    first bytes, with when P's WRITE was matched (``time.monotonic()``)."""
+    hosts.throttle(LINK_RATE)
+    pair.d.expect(pair.p.address(), [request])
+    assert wait_for(lambda: pair.p.pending() == 1, 10.0), "D's registration never reached P"
+    assert pair.p.ready([request]) == []
+    matched = time.monotonic()
+    assert wait_for(lambda: pair.d.landed() > 0, 5.0), "P's WRITE landed nothing in 5 s"
+    return matched
+
+
+def assert_in_flight(pair: HostPair, request: Request, row: dict[str, Any], what: str) -> None:
+    landed, whole = pair.d.landed(), 2 * D_SHAPE.layers * request.tokens * D_SHAPE.token_bytes
+    row["fault"] = f"{what}, {landed >> 10} of {whole >> 10} KiB in"
+    assert 0 < landed < 0.99 * whole, (
+        f"the cut came with {landed} of the WRITE's {whole} bytes landed: the case needs a WRITE "
+        "in flight (some but not all of it landed)"
+    )
+
+
+def follow_the_cut(pair: HostPair, cut: LinkCut, request: Request, row: dict[str, Any]) -> None:
+    """Heals the cut as soon as D reports, then checks the fence and the bounds through it."""
+    fenced_through(
+        Outcomes(pair.p, pair.d, cut, stops_p=False),
+        request.request_id,
+        BOUNDS,
+        row,
+        lambda: pair.d.verify(P_SHAPE, P_SEED, [request])["wrong"] == 0,
+        end_fault_after_d=0.0,
+    )
+
+
+def test_a_cut_data_link_under_a_live_side_channel_lands_nothing_after_d_fails(
+    two_links: Hosts, split_pair: HostPair
+) -> None:
+    """The data link is cut under P's WRITE while the side channel stays up: P gives the WRITE up
+    after its write timeout and says so at once, while the kernel still holds bytes for the cut
+    link (and UCX the rest); healed, the link carries them on."""
+    row: dict[str, Any] = {"case": "data-link-cut"}
+    REPORT.append(row)
+    request = whole_cache_request()
+    matched = start_slow_write(two_links, split_pair, request)
+    time.sleep(max(0.0, matched + WRITE_TIMEOUT - CUT_BEFORE_GIVING_UP - time.monotonic()))
+    with LinkCut(two_links, two_links.data, seconds=BOUNDS.d + 5.0) as cut:
+        assert_in_flight(split_pair, request, row, "data link cut, side channel up")
+        follow_the_cut(split_pair, cut, request, row)
+
+
+def test_a_cut_side_channel_over_a_live_data_link_lands_nothing_after_d_fails(
+    two_links: Hosts, split_pair: HostPair
+) -> None:
+    """The side channel's link is cut under P's WRITE while the data link stays up: D loses P
+    and waits out P's horizon, P gives the WRITE up but cannot say so, and UCX keeps sending."""
+    row: dict[str, Any] = {"case": "side-channel-link-cut"}
+    REPORT.append(row)
+    request = whole_cache_request()
+    start_slow_write(two_links, split_pair, request)
+    with LinkCut(two_links, two_links.control, seconds=BOUNDS.d + 5.0) as cut:
+        assert_in_flight(split_pair, request, row, "side channel cut, data link up")
+        follow_the_cut(split_pair, cut, request, row)

@@ -138,7 +138,7 @@ class Worker:
     options: dict[str, Any] = field(default_factory=dict)
     cache: PagedCache = field(init=False)
     endpoint: kvpush.Endpoint = field(init=False)
-    # D's whole cache as it was when each receive ended without its KV (see ``events``).
+    # D's whole cache as it was when each receive failed or was cancelled (see ``events``).
     at_failure: dict[str, np.ndarray] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -221,17 +221,25 @@ class Worker:
     def events(self, count: int, timeout: float, *, snapshot: bool = True) -> list[dict[str, Any]]:
         """Waits (bounded) until ``count`` events arrived; returns all that did.
 
-        A receive that ended without its KV snapshots the whole cache as it takes the event, so
-        that :meth:`changed_since_failure` can tell whether any byte landed after it (unless
-        ``snapshot`` is false: soaks, which take thousands of such events). A ``quarantined``
-        notice is not an end: the blocks stay held, and bytes may still land in them."""
+        A receive that failed or was cancelled (a final event: D hands its blocks back) snapshots
+        the whole cache as it takes the event, so that :meth:`changed_since_failure` can tell
+        whether any byte landed after it (unless ``snapshot`` is false: soaks, which take
+        thousands of such events). A ``quarantined`` notice is no such event: D keeps the
+        blocks, and P's bytes may still land in them. Each event's ``at`` is when the endpoint
+        reported it (its ``completed`` time, else when it was taken), on the host's monotonic
+        clock (``time.monotonic()`` in any process)."""
         deadline = time.monotonic() + timeout
         out: list[dict[str, Any]] = []
         while len(out) < count and time.monotonic() < deadline:
             for e in self.endpoint.wait(0.05):
+                # The endpoint's clock (``timeline``) starts here on the host's monotonic clock.
+                origin = time.monotonic() - self.endpoint.clock()
                 if snapshot and e.role == "receive" and e.outcome in ("failed", "cancelled"):
                     self.at_failure[e.request_id] = self.cache_copy()
-                out.append(event_dict(e))
+                event = event_dict(e)
+                completed = e.timeline.get("completed")
+                event["at"] = origin + completed if completed is not None else time.monotonic()
+                out.append(event)
         return out
 
     def cache_digest(self) -> str:
@@ -246,7 +254,29 @@ class Worker:
     def changed_since_failure(self, request_id: str) -> int:
         """Bytes of the whole cache that differ from its snapshot at ``request_id``'s failure
         event (taken by :meth:`events`; KeyError if the receive did not fail)."""
-        return int((self.cache_copy() != self.at_failure[request_id]).sum())
+        now, then = self.cache.array.view(np.uint8).reshape(-1), self.at_failure[request_id]
+        # In slices: a cache of hundreds of MiB is compared without a copy of its own size.
+        step = 16 << 20
+        return sum(
+            int(np.count_nonzero(now[i : i + step] != then[i : i + step]))
+            for i in range(0, now.size, step)
+        )
+
+    def landed(self, stride: int = 1) -> int:
+        """Bytes of the cache unlike the sentinel an empty cache holds: what P's WRITEs landed so
+        far (P's bytes that equal the sentinel, 1 in 256, are not counted). ``stride`` samples
+        every stride-th byte and scales the count: a probe cheap enough to poll mid-WRITE."""
+        sample = self.cache.array.view(np.uint8).reshape(-1)[::stride]
+        return int(np.count_nonzero(sample != SENTINEL)) * stride
+
+    def blocks_digest(self, blocks: list[int]) -> str:
+        """sha256 of ``blocks``, in the order given, in every layer and K/V: the same on P and D
+        when D's blocks hold P's whole (caches of one block size), whatever their size."""
+        digest = hashlib.sha256()
+        for layer in range(self.shape.layers):
+            for kv in range(2):
+                digest.update(self.cache.array[layer, kv, blocks].tobytes())
+        return digest.hexdigest()
 
     def verify(self, p_shape: CacheShape, p_seed: int, requests: list[Request]) -> dict[str, int]:
         """Compares D's whole cache with the per-token copy of ``requests``."""
