@@ -552,18 +552,31 @@ class SpawnedThreadRunsFirst(_Tracer):
     futex call); then the spawner goes on. Whatever the new thread does before it ends, it does
     before the spawner's next step after the spawn. ``spawned`` is the new thread's id.
 
+    With ``by_its_child``, the spawner is instead the thread ``name`` spawns next (a worker it
+    starts for the job, such as D's writer starting a connect): that child is followed from its
+    birth, and it is its own spawn that is held.
+
     Waits at most ``seconds`` for the spawn; fails (:meth:`result`) if the new thread does not
     end within a few seconds of being let go."""
 
     STEP_WAIT = 0.5
     MAX_STEPS = 16
 
-    def __init__(self, pid: int, name: str, then: Callable[[], None], seconds: float) -> None:
+    def __init__(
+        self,
+        pid: int,
+        name: str,
+        then: Callable[[], None],
+        seconds: float,
+        *,
+        by_its_child: bool = False,
+    ) -> None:
         if not 0 < seconds <= MAX_STOP:
             raise ValueError(f"the wait for a spawn lasts 0..{MAX_STOP}s, not {seconds}")
         super().__init__(f"spawn-{name}")
         self.pid = pid
         self.tid = thread_named(pid, name)
+        self.by_its_child = by_its_child
         self.seconds = seconds
         self.spawned: int | None = None
         self._then = then
@@ -574,18 +587,29 @@ class SpawnedThreadRunsFirst(_Tracer):
     def _gone(self, tid: int) -> bool:
         return not thread_state(self.pid, tid)
 
+    def _await_spawn(self, tid: int, deadline: float) -> int:
+        """Lets traced thread ``tid`` run until it spawns a thread (held there); the new one's id
+        (traced too, from its birth: the clone option is inherited)."""
+        while True:
+            status = _wait_stopped(tid, deadline)
+            if status >> 8 == signal.SIGTRAP | PTRACE_EVENT_CLONE << 8:
+                return _event_message(tid)
+            # Any other stop before the spawn (a signal, a new tracee's first stop): the thread
+            # goes on as it would.
+            _ptrace(PTRACE_CONT, tid, _signal_of(status))
+
     def _trace(self) -> None:
         _ptrace(PTRACE_SEIZE, self.tid, PTRACE_O_TRACECLONE)
         withheld = 0
         try:
             deadline = time.monotonic() + self.seconds
-            while True:
-                status = _wait_stopped(self.tid, deadline)
-                if status >> 8 == signal.SIGTRAP | PTRACE_EVENT_CLONE << 8:
-                    break
-                # Any other stop before the spawn (a signal): the spawner goes on as it would.
-                _ptrace(PTRACE_CONT, self.tid, _signal_of(status))
-            spawned = self.spawned = _event_message(self.tid)
+            if self.by_its_child:
+                child = self._await_spawn(self.tid, deadline)
+                # The named thread goes on untraced; its child, traced since its birth, is the
+                # spawner now.
+                _let_go(self.tid)
+                self.tid = child
+            spawned = self.spawned = self._await_spawn(self.tid, deadline)
             try:
                 _wait_stopped(spawned, time.monotonic() + 5.0)
                 self._stopped.set()

@@ -988,6 +988,7 @@ impl Run<'_> {
                 request_id,
                 epoch: *epoch,
                 wrote: *wrote,
+                delivered: false,
             }),
             Body::Fail { key: k, epoch, reason, detail } => Message::Fail(Fail {
                 transfer_key: key(*k),

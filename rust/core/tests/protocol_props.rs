@@ -153,9 +153,9 @@ fn message() -> impl Strategy<Value = Message> {
     let cancel = (id(), id(), any::<u64>()).prop_map(|(transfer_key, request_id, epoch)| {
         Message::Cancel(Cancel { transfer_key, request_id, epoch })
     });
-    let cancel_ack = (id(), id(), any::<u64>(), any::<bool>()).prop_map(
-        |(transfer_key, request_id, epoch, wrote)| {
-            Message::CancelAck(CancelAck { transfer_key, request_id, epoch, wrote })
+    let cancel_ack = (id(), id(), any::<u64>(), any::<bool>(), any::<bool>()).prop_map(
+        |(transfer_key, request_id, epoch, wrote, delivered)| {
+            Message::CancelAck(CancelAck { transfer_key, request_id, epoch, wrote, delivered })
         },
     );
     let heartbeat = (text(), any::<u64>(), any::<u32>()).prop_map(|(engine_id, seq, pending)| {

@@ -363,6 +363,7 @@ fn messages_flow_both_ways_in_order() {
                     request_id: format!("r-{n}"),
                     epoch: n,
                     wrote: n % 4 == 1,
+                    delivered: false,
                 })
             } else {
                 fail(n)

@@ -661,6 +661,10 @@ impl<T: Transport> Writer<T> {
                     .filter(|&leg| matches!(awaited.legs[leg].state, LegState::Cancelling { .. }));
                 if let Some(leg) = cancelled {
                     self.end_leg(&key, leg, None);
+                } else if let Some(leg) = awaited.leg_asked_on(peer).filter(|_| ack.delivered) {
+                    // A lost P's word, asked on a new connection: its WRITE completed, every
+                    // byte is here (the DONE that says so may still come, or not at all).
+                    self.end_leg(&key, leg, None);
                 } else if let Some(leg) = awaited.leg_asked_on(peer) {
                     // A lost P's word, asked on a new connection: nothing more of it can land.
                     let evidence = format!(

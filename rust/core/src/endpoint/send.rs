@@ -229,6 +229,7 @@ impl<T: Transport> Writer<T> {
             request_id: cancel.request_id,
             epoch: cancel.epoch,
             wrote: false,
+            delivered: false,
         };
         self.send(peer, Message::CancelAck(ack));
     }
@@ -331,7 +332,7 @@ impl<T: Transport> Writer<T> {
                 let rematch = match finished {
                     Ok(finished) => {
                         let owed = finished.cancel_acknowledged.then_some(registration.peer);
-                        self.acknowledge_cancels(&key, epoch, &registration, owed, false);
+                        self.acknowledge_cancels(&key, epoch, &registration, owed, (false, false));
                         finished.rematch
                     }
                     Err(_) => None,
@@ -537,6 +538,7 @@ impl<T: Transport> Writer<T> {
     }
 
     fn finish(&mut self, w: InFlight, result: Result<(), String>) {
+        let delivered = result.is_ok();
         let now = Instant::now();
         self.release_agent(&w.agent.clone());
         let outcome = match &result {
@@ -555,7 +557,7 @@ impl<T: Transport> Writer<T> {
         let rematch = match finished {
             Ok(finished) => {
                 let owed = finished.cancel_acknowledged.then_some(w.registration.peer);
-                self.acknowledge_cancels(&w.key, w.epoch, &w.registration, owed, true);
+                self.acknowledge_cancels(&w.key, w.epoch, &w.registration, owed, (true, delivered));
                 finished.rematch
             }
             Err(_) => None,
@@ -637,16 +639,17 @@ impl<T: Transport> Writer<T> {
         }
     }
 
-    /// The transport is done with (`key`, `epoch`)'s WRITE (it `wrote`, or never posted it):
-    /// every D connection that asked to cancel it meanwhile gets its CANCEL_ACK now, `owed` (the
-    /// registration's own, when the table recorded its cancel) included.
+    /// The transport is done with (`key`, `epoch`)'s WRITE (it `wrote`, or never posted it; it
+    /// `delivered` every byte, or not): every D connection that asked to cancel it meanwhile gets
+    /// its CANCEL_ACK now, `owed` (the registration's own, when the table recorded its cancel)
+    /// included.
     fn acknowledge_cancels(
         &mut self,
         key: &TransferKey,
         epoch: u64,
         registration: &Registration,
         owed: Option<PeerId>,
-        wrote: bool,
+        (wrote, delivered): (bool, bool),
     ) {
         let mut asked = self.sends.ack_waiters.remove(&(key.clone(), epoch)).unwrap_or_default();
         asked.extend(owed);
@@ -658,6 +661,7 @@ impl<T: Transport> Writer<T> {
                 request_id: registration.register.request_id.clone(),
                 epoch,
                 wrote,
+                delivered,
             };
             self.send(peer, Message::CancelAck(ack));
         }
@@ -677,6 +681,8 @@ impl<T: Transport> Writer<T> {
                 request_id: cancel.request_id,
                 epoch: cancel.epoch,
                 wrote: true,
+                // Whether it completed is not known here: D does not count it delivered.
+                delivered: false,
             };
             self.send(peer, Message::CancelAck(ack));
         }

@@ -517,6 +517,7 @@ mod tests {
                 request_id: "r".into(),
                 epoch: 2,
                 wrote: true,
+                delivered: true,
             }),
             Message::Heartbeat(Heartbeat {
                 engine_id: "decode-0".into(),

@@ -308,6 +308,10 @@ pub struct CancelAck {
     pub epoch: u64,
     /// Whether a WRITE had already been posted; if so it has completed (or failed) by now.
     pub wrote: bool,
+    /// The WRITE completed: every byte of it is in D's blocks (its DONE may not have arrived
+    /// yet, or at all). Absent from older peers: false.
+    #[serde(default)]
+    pub delivered: bool,
 }
 
 /// Liveness, either direction over the side channel.
