@@ -23,7 +23,9 @@
 //! * D's writer stays healthy and no thread panics.
 //! * A receive reports done only once every leg's P sent a valid DONE for its current epoch.
 //! * A receive reports failed or cancelled only once no fake P that heard its REGISTER may
-//!   still write: each has sent a valid DONE, a FAIL or a CANCEL_ACK for that epoch, or is gone.
+//!   still write: each has sent a valid DONE, a FAIL or a CANCEL_ACK for that epoch, or is gone
+//!   and its advertised delivery bound (the horizon, when it advertised none) has passed since
+//!   (D can only learn it after the close, and bytes its host accepted may land until then).
 //! * Each receive ends in exactly one final event, after at most one quarantined notice (a
 //!   P's FAIL `quarantined` may leave it held for good, without a final event); no event reports
 //!   a request D did not expect, and every event that is not done carries a detail.
@@ -58,6 +60,8 @@ const WAIT_BUDGET: Duration = Duration::from_millis(250);
 const RANKS: usize = 3;
 /// The write horizon every fake P advertises: how long D waits after losing it.
 const HORIZON: Duration = Duration::from_millis(120);
+/// The delivery bound a fake P advertises when it advertises one.
+const BOUND: Duration = Duration::from_millis(30);
 /// How long the fake Ps stay up after a lingering script: D asks a silent P twice, a horizon
 /// apart, before it reports the receive quarantined.
 const LINGER: Duration = Duration::from_millis(600);
@@ -92,7 +96,7 @@ pub struct RankSpec {
     pub serves: Serves,
     /// What it does with D's CANCELs.
     pub answers: Answers,
-    /// Its Hello's delivery bound: 0 (unknown: D assumes the horizon) or 30 ms.
+    /// Its Hello's delivery bound: 0 (unknown: D assumes the horizon) or [`BOUND`].
     pub bounded: bool,
 }
 
@@ -377,7 +381,7 @@ impl Rank {
             nonce: 0,
             echo: 0,
             write_horizon_ms: HORIZON.as_millis() as u64,
-            delivery_bound_ms: if self.bounded { 30 } else { 0 },
+            delivery_bound_ms: if self.bounded { BOUND.as_millis() as u64 } else { 0 },
         };
         let mut config = SideChannelConfig::new(self.address, &engine);
         config.secret = Some(secret(SECRET));
@@ -446,8 +450,8 @@ struct Request {
     epoch: u64,
     /// The ranks it names (`None`: the address where nothing listens).
     legs: Vec<Option<usize>>,
-    /// (tick of the poll that saw it, outcome).
-    events: Vec<(u64, Outcome)>,
+    /// (tick of the poll that saw it, when, outcome).
+    events: Vec<(u64, Instant, Outcome)>,
     /// A fake P sent FAIL quarantined for it: D may hold it for good.
     held: bool,
 }
@@ -464,8 +468,8 @@ struct Run {
     nowhere: SocketAddr,
     clock: Arc<Clock>,
     journal: Arc<Mutex<Journal>>,
-    /// Every instance ever started: its rank, and the tick it closed at.
-    instances: Vec<(usize, Option<u64>)>,
+    /// Every instance ever started: its rank, and the tick and time it closed at.
+    instances: Vec<(usize, Option<(u64, Instant)>)>,
     requests: Vec<Request>,
     releases: Vec<Release>,
     dones: Vec<DoneSent>,
@@ -585,6 +589,7 @@ impl Run {
     fn pump(&mut self) {
         let events = self.d.poll();
         let seq = self.clock.tick();
+        let seen = Instant::now();
         for event in events {
             if let Some(cause) = event.outcome.cause() {
                 if cause.detail.is_empty() {
@@ -593,7 +598,7 @@ impl Run {
             }
             match self.requests.iter_mut().find(|r| r.id == event.request_id) {
                 Some(request) if event.role == Role::Receive => {
-                    request.events.push((seq, event.outcome));
+                    request.events.push((seq, seen, event.outcome));
                 }
                 _ => self.violations.push(format!("D reported what it never expected: {event:?}")),
             }
@@ -915,7 +920,7 @@ impl Run {
     /// is dropped, so nothing of it can land any more.
     fn close(&mut self, i: usize) {
         let Some((instance, now)) = self.ranks[i].now.take() else { return };
-        self.instances[instance].1 = Some(self.clock.tick());
+        self.instances[instance].1 = Some((self.clock.tick(), Instant::now()));
         now.channel.close();
         drop(now);
     }
@@ -931,7 +936,7 @@ impl Run {
 
     /// Whether `request` has its end: a final event, or a quarantine a P's FAIL made for good.
     fn ended(request: &Request) -> bool {
-        request.events.iter().any(|(_, o)| !matches!(o, Outcome::Quarantined(_)))
+        request.events.iter().any(|(_, _, o)| !matches!(o, Outcome::Quarantined(_)))
             || (request.held && !request.events.is_empty())
     }
 
@@ -964,7 +969,7 @@ impl Run {
         }
         self.d.close();
         self.check();
-        let events = tally(self.requests.iter().flat_map(|r| r.events.iter().map(|(_, o)| o)));
+        let events = tally(self.requests.iter().flat_map(|r| r.events.iter().map(|(_, _, o)| o)));
         Report {
             summary: format!(
                 "{} requests, {} P endpoints, {} DONEs, {} releases; events: {events}",
@@ -992,13 +997,13 @@ impl Run {
             let notices: Vec<u64> = request
                 .events
                 .iter()
-                .filter(|(_, o)| matches!(o, Outcome::Quarantined(_)))
-                .map(|(s, _)| *s)
+                .filter(|(_, _, o)| matches!(o, Outcome::Quarantined(_)))
+                .map(|(s, _, _)| *s)
                 .collect();
-            let finals: Vec<&(u64, Outcome)> = request
+            let finals: Vec<&(u64, Instant, Outcome)> = request
                 .events
                 .iter()
-                .filter(|(_, o)| !matches!(o, Outcome::Quarantined(_)))
+                .filter(|(_, _, o)| !matches!(o, Outcome::Quarantined(_)))
                 .collect();
             if notices.len() > 1 {
                 violations.push(format!(
@@ -1014,7 +1019,7 @@ impl Run {
                     request.events
                 ));
             }
-            if let (Some(&notice), Some((end, _))) = (notices.first(), finals.first()) {
+            if let (Some(&notice), Some((end, _, _))) = (notices.first(), finals.first()) {
                 if notice > *end {
                     violations.push(format!(
                         "receive {id}: quarantined after its final event: {:?}",
@@ -1022,7 +1027,7 @@ impl Run {
                     ));
                 }
             }
-            let Some(&&(seen, ref outcome)) = finals.first() else { continue };
+            let Some(&&(seen, seen_at, ref outcome)) = finals.first() else { continue };
             match outcome {
                 Outcome::Done => {
                     for leg in &request.legs {
@@ -1048,7 +1053,12 @@ impl Run {
                         if request_id != id || epoch != request.epoch {
                             continue;
                         }
-                        let gone = self.instances[instance].1.is_some_and(|closed| closed < seen);
+                        // Gone counts once its accepted bytes stopped landing: D learns it only
+                        // after the close, and must then wait out the P's delivery bound.
+                        let (rank, closed) = self.instances[instance];
+                        let bound = if self.ranks[rank].bounded { BOUND } else { HORIZON };
+                        let gone =
+                            closed.is_some_and(|(tick, at)| tick < seen && seen_at >= at + bound);
                         let released = self.releases.iter().any(|r| {
                             r.instance == instance
                                 && r.request_id == *id
@@ -1059,7 +1069,8 @@ impl Run {
                             violations.push(format!(
                                 "receive {id} reported {outcome:?} while P{} (endpoint {instance}), \
                                  which heard its REGISTER, could still write: it had neither \
-                                 delivered, failed, acknowledged a cancel nor gone",
+                                 delivered, failed, acknowledged a cancel nor gone (its delivery \
+                                 bound passed since)",
                                 self.instances[instance].0
                             ));
                         }
