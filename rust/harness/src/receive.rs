@@ -10,9 +10,10 @@
 //! with the secret, another one or none; from the right agent, another rank's or a stranger's;
 //! for the right or a wrong key, request or epoch; stamped now, in the future or long ago;
 //! duplicated, early, late), FAILs with every reason, CANCEL_ACKs for the right or a wrong epoch,
-//! error replies and garbage notifications, answer CANCELs or not, drop D's connections, close
-//! (the endpoint is gone: its address refuses) and start again at the same address as another
-//! endpoint.
+//! error replies and garbage notifications, serve REGISTERs and answer CANCELs or not, drop D's
+//! connections, stall (a paused process: its connection goes silent past D's peer timeout),
+//! close (the endpoint is gone: its address refuses) and start again at the same address as
+//! another endpoint.
 //!
 //! At the end every fake P closes and the run waits (boundedly) for D to end its receives. Each
 //! thing a fake P does that tells D nothing more of a registration can land (a valid DONE, a
@@ -60,6 +61,8 @@ const WAIT_BUDGET: Duration = Duration::from_millis(250);
 const RANKS: usize = 3;
 /// The write horizon every fake P advertises: how long D waits after losing it.
 const HORIZON: Duration = Duration::from_millis(120);
+/// How long a stalled fake P's connection stays silent: past D's peer timeout.
+const STALL: Duration = Duration::from_millis(550);
 /// The delivery bound a fake P advertises when it advertises one.
 const BOUND: Duration = Duration::from_millis(30);
 /// How long the fake Ps stay up after a lingering script: D asks a silent P twice, a horizon
@@ -142,6 +145,9 @@ pub enum Action {
     Noise { rank: u8, bytes: Few<u8, 48> },
     /// A fake P drops its connections to D (and goes on listening).
     Disconnect { rank: u8 },
+    /// A fake P stalls (a paused process) once D next sends it something: that connection
+    /// goes silent, no heartbeats either, past D's peer timeout.
+    Stall { rank: u8 },
     /// A fake P's endpoint is gone: its side channel and agent close, its address refuses.
     Close { rank: u8 },
     /// Another endpoint (a new agent) listens at a closed fake P's address.
@@ -213,7 +219,7 @@ impl<'a> Arbitrary<'a> for Answers {
 
 impl<'a> Arbitrary<'a> for Action {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        Ok(match pick(u, &[14, 5, 22, 7, 5, 2, 2, 5, 4, 4, 3, 3, 12])? {
+        Ok(match pick(u, &[14, 5, 22, 7, 5, 2, 2, 5, 4, 4, 3, 3, 12, 3])? {
             0 => Self::Expect { legs: u.arbitrary()?, ttl: u.arbitrary()? },
             1 => Self::Cancel { request: u.arbitrary()? },
             2 => Self::Done {
@@ -242,7 +248,8 @@ impl<'a> Arbitrary<'a> for Action {
             9 => Self::Restart { rank: u.arbitrary()? },
             10 => Self::Answer { rank: u.arbitrary()?, answers: u.arbitrary()? },
             11 => Self::Serve { rank: u.arbitrary()?, serves: u.arbitrary()? },
-            _ => Self::Wait { ms: u.arbitrary()? },
+            12 => Self::Wait { ms: u.arbitrary()? },
+            _ => Self::Stall { rank: u.arbitrary()? },
         })
     }
 }
@@ -303,6 +310,8 @@ struct Ear {
     clock: Arc<Clock>,
     journal: Arc<Mutex<Journal>>,
     connections: Mutex<Vec<PeerId>>,
+    /// The next message D sends stalls its connection this long (see [`Action::Stall`]).
+    stall: Mutex<Option<Duration>>,
 }
 
 impl ControlHandler for Ear {
@@ -318,6 +327,11 @@ impl ControlHandler for Ear {
         }
         if matches!(message, Message::Register(_) | Message::Cancel(_)) {
             journal.unanswered.push((self.instance, peer, message));
+        }
+        drop(journal);
+        // While a callback runs, its connection neither reads nor sends heartbeats.
+        if let Some(stall) = self.stall.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            thread::sleep(stall);
         }
     }
     fn peer_lost(&self, peer: PeerId, _reason: &str) {
@@ -394,6 +408,7 @@ impl Rank {
             clock: Arc::clone(clock),
             journal: Arc::clone(journal),
             connections: Mutex::default(),
+            stall: Mutex::default(),
         });
         let channel = SideChannel::start(config, hello, Arc::clone(&ear) as _)
             .map_err(|e| format!("cannot listen at {}: {e}", self.address))?;
@@ -763,6 +778,11 @@ impl Run {
                     for peer in peers {
                         now.channel.disconnect(peer);
                     }
+                }
+            }
+            Action::Stall { rank } => {
+                if let Some((_, now)) = &self.ranks[self.rank(rank)].now {
+                    *now.ear.stall.lock().unwrap_or_else(PoisonError::into_inner) = Some(STALL);
                 }
             }
             Action::Close { rank } => self.close(self.rank(rank)),
