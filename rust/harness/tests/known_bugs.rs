@@ -12,7 +12,7 @@
 
 use kvpush_harness::registration::{
     run, Action, Blocks, EpochSpec, Fanout, Fences, FirstToken, Groups, KeySpec, Metadata,
-    PeerShape, PeerSpec, ReadyTtl, Script, Tokens, Ttl, WriteFate,
+    PeerShape, PeerSpec, ReadyTtl, Script, Shift, Tokens, Ttl, WriteFate,
 };
 use kvpush_harness::{record_panics, Few, Report};
 
@@ -122,4 +122,30 @@ fn an_abort_that_releases_a_fan_out_transfer_is_its_only_end() {
         let actions = vec![bad, Action::Wait { ms: 5 }, ready(0), Action::Abort { key: 0 }];
         assert_clean(&run(&script(1, actions)));
     }
+}
+
+/// send.rs, `Writer::write`: when `post` fails (a refused plan, a lapsed lease, a transport
+/// that refuses the WRITE), the error path calls `table.finish` and drops what it returns. If D
+/// re-registered at a higher epoch while the post was under way, the table answers with that
+/// re-registration's match (`Finished::rematch`, and any `cancel_acknowledged`) and keeps P's KV
+/// matched for it; the writer reports the send failed and forgets the match. The new
+/// registration is then never written and D is never told (it waits out its TTL), and P's KV
+/// stays in the table until its own TTL, when the send is reported a second time (expired).
+/// `Writer::finish` (a WRITE that was posted) handles both. Here: P's transport takes 15 ms to
+/// refuse every post, and D peer 0 re-registers at the next epoch meanwhile.
+#[test]
+#[ignore = "bug: a WRITE that fails before it is posted drops the re-registration that came meanwhile"]
+fn a_re_registration_during_a_failed_post_is_written_or_failed() {
+    record_panics();
+    let actions = vec![
+        register(0, key(0, None), 0, Ttl::Long, Fanout::One),
+        Action::Wait { ms: 5 },
+        Action::Ready { key: 0, groups: blocks(), tokens: Tokens::Fit, ttl: ReadyTtl::Short(60) },
+        Action::Wait { ms: 5 },
+        Action::Again { peer: 0, nth: 0, epoch: Shift::Up },
+        Action::Wait { ms: 15 },
+    ];
+    let mut script = script(1, actions);
+    script.writes = WriteFate::Unposted;
+    assert_clean(&run(&script));
 }
