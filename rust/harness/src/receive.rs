@@ -75,7 +75,9 @@ const SETTLE: Duration = Duration::from_secs(4);
 /// skew (below) and any horizon.
 const FAR: u64 = 120_000;
 const CLOCK_SKEW: Duration = Duration::from_secs(2);
-const COMPATIBILITY: &str = "harness-model/bf16";
+/// What every endpoint of this harness serves: the other harness's endpoints (a test running
+/// beside this one may get a port one of these let go of) refuse them at the handshake.
+const COMPATIBILITY: &str = "harness-receive-model/bf16";
 
 // ------------------------------------------------------------------------------------------
 // The script.

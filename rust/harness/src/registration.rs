@@ -86,7 +86,9 @@ pub const CANARY: u8 = 0xee;
 const UNPOSTED: Duration = Duration::from_millis(15);
 /// How long an overdue WRITE stays in progress: past P's write timeout.
 const OVERDUE: Duration = Duration::from_millis(400);
-const COMPATIBILITY: &str = "harness-model/bf16";
+/// What every endpoint and peer of this harness serves: the other harness's endpoints (a test
+/// running beside this one may get a port one of these let go of) refuse them at the handshake.
+const COMPATIBILITY: &str = "harness-registration-model/bf16";
 
 /// Bugs in the core these checks find, named in [`Report::known`] (see
 /// `tests/known_bugs.rs`, which reproduces each).
