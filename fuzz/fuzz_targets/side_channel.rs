@@ -975,6 +975,7 @@ impl Run<'_> {
                         .collect(),
                     num_tokens: *num_tokens,
                     ttl_ms: *ttl_ms,
+                    fanout: 1,
                 })
             }
             Body::Cancel { key: k, epoch } => {
