@@ -23,8 +23,11 @@ pub fn prepare() {
     });
 }
 
-/// Inputs run and known bugs hit, per target, for the progress line.
-static TALLY: Mutex<BTreeMap<&str, (u64, BTreeMap<&str, u64>)>> = Mutex::new(BTreeMap::new());
+/// One target's inputs run, and the known bugs they hit (by name), for the progress line.
+type Tally = (u64, BTreeMap<&'static str, u64>);
+
+/// Each target's [`Tally`].
+static TALLY: Mutex<BTreeMap<&str, Tally>> = Mutex::new(BTreeMap::new());
 
 /// Inputs between two progress lines.
 const PROGRESS_EVERY: u64 = 32;
