@@ -101,7 +101,7 @@ pub struct RankSpec {
     pub serves: Serves,
     /// What it does with D's CANCELs.
     pub answers: Answers,
-    /// Its Hello's delivery bound: 0 (unknown: D assumes the horizon) or [`BOUND`].
+    /// Its Hello's delivery bound: 0 (unknown: D assumes the horizon) or 30 ms.
     pub bounded: bool,
 }
 
