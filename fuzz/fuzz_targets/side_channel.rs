@@ -337,10 +337,7 @@ fn start_server(signed: bool) -> Server {
 
 fn harness() -> MutexGuard<'static, Harness> {
     let harness = HARNESS.get_or_init(|| {
-        // libFuzzer's own main never runs Rust's runtime setup, which ignores SIGPIPE: without
-        // this a write to a socket the peer closed kills the process.
-        // SAFETY: setting a signal disposition to SIG_IGN; no handler code runs.
-        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+        kvpush_fuzz::ignore_sigpipe();
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
             let thread = thread::current().name().unwrap_or("<unnamed>").to_owned();
@@ -978,6 +975,7 @@ impl Run<'_> {
                         .collect(),
                     num_tokens: *num_tokens,
                     ttl_ms: *ttl_ms,
+                    fanout: 1,
                 })
             }
             Body::Cancel { key: k, epoch } => {

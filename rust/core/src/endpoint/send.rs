@@ -256,14 +256,18 @@ impl<T: Transport> Writer<T> {
         if let Some((base, _)) = key.split_slot() {
             // One slot of a transfer written into several D ranks: the send ends with its last.
             let mut groups = lock(&self.shared.fanouts);
-            if let Some(group) = groups.get_mut(&base) {
-                if !group.conclude(outcome, bytes, runs) {
-                    return;
-                }
-                (outcome, bytes, runs) = group.result();
-                groups.remove(&base);
-                key = base;
+            let Some(group) = groups.get_mut(&base) else {
+                // An abort removed the group as this slot's WRITE ended (it found the slot gone
+                // from the table, released the others and answered `Released`): the send's end
+                // was that answer, and the engine has freed the blocks. No second end.
+                return;
+            };
+            if !group.conclude(outcome, bytes, runs) {
+                return;
             }
+            (outcome, bytes, runs) = group.result();
+            groups.remove(&base);
+            key = base;
         }
         self.emit(Event {
             role: Role::Send,
