@@ -128,7 +128,7 @@ impl Control {
             return;
         }
         let slot = Slot(Arc::clone(&entry.held));
-        let now = Instant::now();
+        let now = self.shared.now();
         let key = TransferKey::from_canonical(&register.transfer_key);
         if register.fanout > 1 {
             if let Err((reason, detail)) = self.join_fanout(&key, register.fanout, now) {
@@ -231,8 +231,8 @@ impl Control {
     fn cancel(&self, peer: PeerId, cancel: crate::protocol::Cancel) {
         let Some(owner) = lock(&self.peers).get(&peer).map(|entry| entry.owner) else { return };
         let key = TransferKey::from_canonical(&cancel.transfer_key);
-        let outcome =
-            self.shared.table.cancel_owned(&key, Some(cancel.epoch), Some(owner), Instant::now());
+        let now = self.shared.now();
+        let outcome = self.shared.table.cancel_owned(&key, Some(cancel.epoch), Some(owner), now);
         let released = match outcome {
             // The in-flight write's `finish` acknowledges it, on this connection too (a D that
             // lost P asks again on a new one).
@@ -297,7 +297,7 @@ impl ControlHandler for Control {
     }
 
     fn peer_lost(&self, peer: PeerId, reason: &str) {
-        let at = Instant::now();
+        let at = self.shared.now();
         lock(&self.peers).remove(&peer);
         self.shared.send(Command::PeerLost { peer, reason: reason.to_owned(), at });
     }

@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 pub use events::{Cause, Event, Outcome, Reason, Role, Timeline};
 
-use crate::clock::BootInstant;
+use crate::clock::{BootInstant, Clock, SystemClock};
 use crate::key::TransferKey;
 use crate::layout::KvLayout;
 use crate::loopback::LoopbackTransport;
@@ -326,6 +326,8 @@ pub(crate) struct Shared {
     pub(crate) fanouts: Mutex<fanout::FanOuts>,
     /// The writer's inbox. `Sender` is `Sync`: every thread sends without a lock.
     pub(crate) inbox: Sender<Command>,
+    /// Every clock the endpoint reads (the system's, or a simulation's).
+    pub(crate) clock: Arc<dyn Clock>,
     pub(crate) origin: Instant,
     /// Why the writer stopped for good (it panicked); set once.
     pub(crate) dead: OnceLock<String>,
@@ -347,7 +349,22 @@ impl Shared {
 
     /// Now on the boot-time clock, in ms (see `clock`).
     pub(crate) fn millis(&self) -> u64 {
-        BootInstant::now().as_millis()
+        self.boot_now().as_millis()
+    }
+
+    /// Now on the monotonic clock.
+    pub(crate) fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// Now on the boot-time clock.
+    pub(crate) fn boot_now(&self) -> BootInstant {
+        self.clock.boot_now()
+    }
+
+    /// Now on the wall clock (ms since the Unix epoch): signed frames' timestamps.
+    pub(crate) fn unix_millis(&self) -> u64 {
+        self.clock.unix_millis()
     }
 
     /// `Err(reason)` once the writer died or stalled.
@@ -428,16 +445,18 @@ impl Endpoint {
         };
         let (inbox, commands) = mpsc::channel();
         let (event_sink, events) = mpsc::channel();
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let shared = Arc::new(Shared {
             table: RendezvousTable::new(config.table.clone()),
             fanouts: Mutex::new(fanout::FanOuts::new()),
             inbox,
-            origin: Instant::now(),
+            origin: clock.now(),
             counters: Counters::default(),
             dead: OnceLock::new(),
-            writer_beat_ms: AtomicU64::new(BootInstant::now().as_millis()),
-            others_beat_ms: AtomicU64::new(BootInstant::now().as_millis()),
+            writer_beat_ms: AtomicU64::new(clock.boot_now().as_millis()),
+            others_beat_ms: AtomicU64::new(clock.boot_now().as_millis()),
             stall_after: WRITER_STALL.max(config.peer_timeout),
+            clock,
         });
         let vram_refusal =
             transport.can_write_into(MemorySpace { kind: MemoryKind::Vram, device: 0 }).err();
@@ -503,7 +522,7 @@ impl Endpoint {
         self.shared.health().map_err(EndpointError::Unhealthy)?;
         check_ttl(&ready.request_id, ready.ttl)?;
         let key = TransferKey::for_request(ready.transfer_id.as_deref(), &ready.request_id);
-        let now = Instant::now();
+        let now = self.shared.now();
         let deadline = now + ready.ttl;
         let ready = Arc::new(send::Ready { kv: ready, at: now });
         let matches = {
@@ -542,7 +561,7 @@ impl Endpoint {
     /// registered; see [`AbortOutcome`] for what to do with the blocks.
     pub fn abort(&self, request_id: &str, transfer_id: Option<&str>) -> AbortOutcome {
         let key = TransferKey::for_request(transfer_id, request_id);
-        let now = Instant::now();
+        let now = self.shared.now();
         {
             let mut groups = lock(&self.shared.fanouts);
             if let Some(group) = groups.get_mut(&key) {
@@ -614,7 +633,7 @@ impl Endpoint {
         self.shared.health().map_err(EndpointError::Unhealthy)?;
         check_ttl(&expectation.request_id, expectation.ttl)?;
         check_sources(&expectation)?;
-        if self.shared.send(Command::Expect(expectation, Instant::now())) {
+        if self.shared.send(Command::Expect(expectation, self.shared.now())) {
             Ok(())
         } else {
             Err(EndpointError::Closed)
@@ -687,7 +706,7 @@ impl Endpoint {
 
     /// Seconds since the endpoint started: the clock event timelines use.
     pub fn clock(&self) -> f64 {
-        self.shared.origin.elapsed().as_secs_f64()
+        self.shared.now().saturating_duration_since(self.shared.origin).as_secs_f64()
     }
 
     /// Stops the writer (failing what is still pending) and the side channel. Idempotent.

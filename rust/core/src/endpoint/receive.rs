@@ -23,9 +23,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
-use crate::protocol::{
-    unix_millis, Cancel, Decoder, Done, FailReason, Limits, Message, Register, Secret,
-};
+use crate::protocol::{Cancel, Decoder, Done, FailReason, Limits, Message, Register, Secret};
 use crate::side_channel::{PeerId, PeerInfo};
 use crate::transport::{Notification, Transport};
 
@@ -214,7 +212,7 @@ impl<T: Transport> Writer<T> {
                     // transport first) or its process exited. A host that refuses for a
                     // firewall while P lives would look the same, so the legs still wait out
                     // P's whole horizon, which a running P keeps.
-                    let now = Instant::now();
+                    let now = self.shared.now();
                     let evidence = format!(
                         "nothing listens at {source} any more: its endpoint is gone, and D waited \
                          out its write horizon"
@@ -231,7 +229,7 @@ impl<T: Transport> Writer<T> {
     /// already accepted may still land (for its delivery bound).
     fn ask_again(&mut self, source: &str, peer: PeerId) {
         let Some(agent) = self.peers.get(&peer).map(|p| p.name.clone()) else { return };
-        let now = Instant::now();
+        let now = self.shared.now();
         let mut asks = Vec::new();
         for (request_id, awaited) in &mut self.receives.awaited {
             for leg in awaited.unsettled(source) {
@@ -337,9 +335,10 @@ impl<T: Transport> Writer<T> {
         awaited.legs[leg].delivery_bound = delivery_bound;
         awaited.legs[leg].state = LegState::Registered;
         let e = &awaited.expectation;
-        let ttl_ms =
-            u64::try_from(awaited.deadline.saturating_duration_since(Instant::now()).as_millis())
-                .unwrap_or(u64::MAX);
+        let ttl_ms = u64::try_from(
+            awaited.deadline.saturating_duration_since(self.shared.now()).as_millis(),
+        )
+        .unwrap_or(u64::MAX);
         let register = Register {
             transfer_key: awaited.key.as_str().to_owned(),
             request_id: e.request_id.clone(),
@@ -434,7 +433,7 @@ impl<T: Transport> Writer<T> {
     /// Sends the CANCELs `stops` calls for; each P must acknowledge within its horizon.
     fn stop_legs(&mut self, request_id: &str, stops: &[Stop]) {
         for &Stop::Cancel(peer) in stops {
-            let deadline = Instant::now() + self.horizon(peer);
+            let deadline = self.shared.now() + self.horizon(peer);
             let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
             if let Some(leg) = awaited.leg_on(peer) {
                 awaited.legs[leg].state = LegState::Cancelling { deadline: Some(deadline) };
@@ -466,7 +465,7 @@ impl<T: Transport> Writer<T> {
 
     fn end_receive(&mut self, request_id: &str, outcome: Outcome) {
         let Some(awaited) = self.receives.awaited.remove(request_id) else { return };
-        let completed = Instant::now();
+        let completed = self.shared.now();
         self.emit(Event {
             role: Role::Receive,
             request_id: request_id.to_owned(),
@@ -496,7 +495,7 @@ impl<T: Transport> Writer<T> {
             let in_flight = self.horizon_of_agent(&notification.from);
             match self.receives.decoder.decode_unordered(
                 &notification.payload,
-                unix_millis(),
+                self.shared.unix_millis(),
                 in_flight,
             ) {
                 Ok(envelope) => {

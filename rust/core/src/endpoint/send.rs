@@ -28,8 +28,7 @@ use crate::clock::BootInstant;
 use crate::key::TransferKey;
 use crate::planner::{BlockList, PlanRequest};
 use crate::protocol::{
-    unix_millis, Cancel, CancelAck, Done, Encoder, Fail, FailReason, Hello, Message, Register,
-    Secret,
+    Cancel, CancelAck, Done, Encoder, Fail, FailReason, Hello, Message, Register, Secret,
 };
 use crate::rendezvous::{Match, Outcome as TableOutcome, RendezvousError};
 use crate::side_channel::PeerId;
@@ -185,7 +184,7 @@ impl<T: Transport> Writer<T> {
 
     /// A lost peer: nothing may be written to it; its waiting registrations go now.
     pub(super) fn purge_registrations(&mut self, peer: PeerId) {
-        let purged = self.shared.table.purge(|r: &Registration| r.peer == peer, Instant::now());
+        let purged = self.shared.table.purge(|r: &Registration| r.peer == peer, self.shared.now());
         for _ in &purged {
             Counters::add(&self.shared.counters.purged_registrations);
         }
@@ -276,7 +275,7 @@ impl<T: Transport> Writer<T> {
     }
 
     pub(super) fn write(&mut self, m: Match<Registration, Arc<Ready>>) {
-        let matched = Instant::now();
+        let matched = self.shared.now();
         let Match { key, epoch, registration, ready } = m;
         if let Err(error) = self.shared.table.begin_write(&key, epoch) {
             // Superseded: the newer match is already queued. Fenced: whoever ended the transfer
@@ -298,8 +297,8 @@ impl<T: Transport> Writer<T> {
                 registration,
                 ready,
                 matched,
-                posted: Instant::now(),
-                posted_boot: BootInstant::now(),
+                posted: self.shared.now(),
+                posted_boot: self.shared.boot_now(),
                 bytes,
                 runs,
                 agent,
@@ -307,7 +306,7 @@ impl<T: Transport> Writer<T> {
             }),
             Err((reason, why, detail)) => {
                 let outcome = TableOutcome::Failed(detail.clone());
-                let _ = self.shared.table.finish(&key, epoch, outcome, Instant::now());
+                let _ = self.shared.table.finish(&key, epoch, outcome, self.shared.now());
                 self.send(
                     registration.peer,
                     Message::Fail(registration.fail(reason, detail.clone())),
@@ -382,7 +381,7 @@ impl<T: Transport> Writer<T> {
             bytes: plan.stats.bytes,
             runs,
         });
-        let notification = self.sends.notifications.encode(&done, unix_millis());
+        let notification = self.sends.notifications.encode(&done, self.shared.unix_millis());
         let remote = peer.memory;
         // The lease, checked last, right before the post: D may have given these blocks up
         // once its proof of life is older than the lease (it then waits out our horizon).
@@ -403,7 +402,7 @@ impl<T: Transport> Writer<T> {
                 ));
             }
         }
-        let checked = Instant::now();
+        let checked = self.shared.now();
         let write = self
             .transport
             .post_write(agent, &plan.runs, self.sends.memory, remote, &notification)
@@ -413,7 +412,7 @@ impl<T: Transport> Writer<T> {
         // The horizon's margin covers the moments between the check and the post; a process
         // stopped right there for longer (SIGSTOP, a VM pause) posted outside it. Nothing can
         // recall a posted WRITE: count it, so that an operator sees the fence was at risk.
-        if checked.elapsed() > HORIZON_MARGIN {
+        if self.shared.now().saturating_duration_since(checked) > HORIZON_MARGIN {
             Counters::add(&self.shared.counters.late_posts);
         }
         let agent = agent.clone();
@@ -479,7 +478,7 @@ impl<T: Transport> Writer<T> {
     }
 
     fn finish(&mut self, w: InFlight, result: Result<(), String>) {
-        let now = Instant::now();
+        let now = self.shared.now();
         self.release_agent(&w.agent.clone());
         let outcome = match &result {
             Ok(()) => TableOutcome::Done,
@@ -581,12 +580,12 @@ impl<T: Transport> Writer<T> {
     /// The endpoint closes: writes in flight get `DRAIN_ON_CLOSE` to finish; the rest are cut
     /// (the transport is dropped with the writer, and D finds the endpoint gone).
     pub(super) fn drain_writes(&mut self) {
-        let deadline = Instant::now() + DRAIN_ON_CLOSE;
-        while self.sends.writing() && Instant::now() < deadline {
+        let deadline = self.shared.now() + DRAIN_ON_CLOSE;
+        while self.sends.writing() && self.shared.now() < deadline {
             self.poll_writes();
             thread::sleep(BUSY_POLL);
         }
-        let at = Instant::now();
+        let at = self.shared.now();
         for w in std::mem::take(&mut self.sends.in_flight) {
             self.cut(w, "the endpoint closed during the write", at);
         }

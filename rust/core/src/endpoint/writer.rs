@@ -181,6 +181,7 @@ impl<T: Transport> Writer<T> {
         events: Sender<Event>,
     ) -> Self {
         let sends = Sends::new(config, transport.name(), secret.clone());
+        let now = shared.now();
         Self {
             layout: config.layout.clone(),
             engine_id: config.engine_id.clone(),
@@ -192,8 +193,8 @@ impl<T: Transport> Writer<T> {
             peers: HashMap::new(),
             sends,
             receives: Receives::new(secret, config.limits),
-            last_deadline_check: Instant::now(),
-            last_command: Instant::now(),
+            last_deadline_check: now,
+            last_command: now,
         }
     }
 
@@ -204,7 +205,7 @@ impl<T: Transport> Writer<T> {
             self.beat();
             let mut stop = match self.commands.recv_timeout(self.poll_period()) {
                 Ok(command) => {
-                    self.last_command = Instant::now();
+                    self.last_command = self.shared.now();
                     self.handle(command)
                 }
                 Err(RecvTimeoutError::Timeout) => false,
@@ -221,11 +222,12 @@ impl<T: Transport> Writer<T> {
             }
             // Deadlines first: nothing below may drive the transport for a write before its
             // deadline was looked at (a stalled process resumes here).
-            self.notice_overdue_writes(crate::clock::BootInstant::now());
+            self.notice_overdue_writes(self.shared.boot_now());
             self.poll_writes();
             self.take_notifications();
-            if self.last_deadline_check.elapsed() >= DEADLINE_CHECK {
-                self.last_deadline_check = Instant::now();
+            let now = self.shared.now();
+            if now.saturating_duration_since(self.last_deadline_check) >= DEADLINE_CHECK {
+                self.last_deadline_check = now;
                 self.check_deadlines();
             }
         }
@@ -243,7 +245,9 @@ impl<T: Transport> Writer<T> {
     fn poll_period(&self) -> Duration {
         if self.sends.writing() || self.receives.awaits_kv() {
             BUSY_POLL
-        } else if !self.shared.table.is_empty() || self.last_command.elapsed() < SETTLE {
+        } else if !self.shared.table.is_empty()
+            || self.shared.now().saturating_duration_since(self.last_command) < SETTLE
+        {
             IDLE_POLL
         } else {
             QUIET_POLL
@@ -333,7 +337,7 @@ impl<T: Transport> Writer<T> {
     // ---- both: deadlines and the writer's end ---------------------------------------------
 
     fn check_deadlines(&mut self) {
-        let now = Instant::now();
+        let now = self.shared.now();
         self.expire_sends(now);
         self.check_receives(now);
     }
@@ -348,7 +352,7 @@ impl<T: Transport> Writer<T> {
     /// P's horizon passes after the disconnect. Peers are disconnected so they stop waiting.
     pub(crate) fn die(&mut self, reason: String) {
         self.mark_dead(reason.clone());
-        let at = Instant::now();
+        let at = self.shared.now();
         for peer in self.side_channel.peers() {
             self.side_channel.disconnect(peer.id);
         }
@@ -356,7 +360,7 @@ impl<T: Transport> Writer<T> {
         self.fail_receives(&reason, at);
         // Wait out the horizons (or a close), reporting each receive as its last horizon passes.
         while let Some(next) = self.receives.next_fence() {
-            let wait = next.saturating_duration_since(Instant::now()).min(QUIET_POLL);
+            let wait = next.saturating_duration_since(self.shared.now()).min(QUIET_POLL);
             match self.commands.recv_timeout(wait) {
                 Ok(Command::Stop) | Err(RecvTimeoutError::Disconnected) => break,
                 Ok(Command::Expect(expectation, _)) => {
@@ -364,7 +368,7 @@ impl<T: Transport> Writer<T> {
                 }
                 Ok(_) | Err(RecvTimeoutError::Timeout) => {}
             }
-            self.pass_fences(Instant::now());
+            self.pass_fences(self.shared.now());
         }
         self.shut_down();
     }
