@@ -33,11 +33,13 @@
 //! - `fanout` (P) and `awaited` (D): one request's state when P and D run different tensor
 //!   parallel sizes (one P rank written into several D ranks; one D rank fed by several P ranks).
 //! - `events`: what the endpoint reports.
+//! - `link`: what the writer needs of the side channel (the real one, or a simulation's).
 
 mod awaited;
 mod control;
 mod events;
 mod fanout;
+mod link;
 mod receive;
 mod send;
 mod writer;
@@ -65,6 +67,7 @@ use crate::sync::lock;
 use crate::transport::{MemoryKind, MemorySpace, Transport, TransportError};
 
 use control::Control;
+use link::{ChannelLink, Link};
 use writer::{Command, Writer};
 
 /// How an [`Endpoint`] is set up.
@@ -404,7 +407,7 @@ fn writer_stall(now: u64, beat: u64, others: u64, stall_after: Duration) -> Opti
 pub struct Endpoint {
     shared: Arc<Shared>,
     events: Mutex<Receiver<Event>>,
-    side_channel: Arc<SideChannel>,
+    side_channel: Arc<dyn Link>,
     writer: Mutex<Option<JoinHandle<()>>>,
     write_horizon: Duration,
     memory: MemorySpace,
@@ -487,6 +490,9 @@ impl Endpoint {
                     _ => EndpointError::Listen { addr: config.bind, source },
                 }
             })?);
+        let engine_id = config.engine_id.clone();
+        let side_channel: Arc<dyn Link> =
+            Arc::new(ChannelLink::new(side_channel, Arc::clone(&shared), engine_id));
         let writer = Writer::new(
             &config,
             transport,

@@ -1,9 +1,9 @@
 //! D's receive path: from `Endpoint::expect` to the request's `Receive` event.
 //!
 //! For each P rank an expectation names (a *leg*, see [`awaited`](super::awaited)), the writer
-//! connects to that P if it has no connection yet (on the connector thread, since connecting
-//! blocks), checks that the P rank holds the heads this rank expects from it, and sends the
-//! REGISTER that puts D's blocks in P's table. It then counts the DONE notifications the
+//! connects to that P if it has no connection yet (through the link, without waiting), checks
+//! that the P rank holds the heads this rank expects from it, and sends the REGISTER that puts
+//! D's blocks in P's table. It then counts the DONE notifications the
 //! transport delivers (each only from the agent the leg registered with, for the current epoch)
 //! and acts on P's FAILs and CANCEL_ACKs. A cancel, a TTL that passed or a leg's failure sends
 //! CANCELs to the legs that may still be written; a P that does not acknowledge within its
@@ -17,9 +17,6 @@
 //! `awaited` holds the per-request state and its rules; this module does the I/O they call for.
 
 use std::collections::HashMap;
-use std::sync::mpsc::{self, Sender};
-use std::sync::Arc;
-use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
@@ -29,7 +26,7 @@ use crate::transport::{Notification, Transport};
 
 use super::awaited::{Awaited, LegState, Stop};
 use super::events::{Event, Outcome, Reason, Role, Timeline};
-use super::writer::{Command, ConnectFailure, Writer, MAX_HORIZON};
+use super::writer::{ConnectFailure, Writer, MAX_HORIZON};
 use super::{Counters, Expectation, Share};
 
 /// A side channel connection to a P, by its address.
@@ -48,9 +45,6 @@ pub(super) struct Receives {
     /// does not scan `awaited` on every turn of the loop.
     awaits_kv: bool,
     sources: HashMap<String, Source>,
-    /// The connector thread's queue and handle, started with the first connection asked for.
-    connect_requests: Option<Sender<String>>,
-    connector: Option<JoinHandle<()>>,
     /// Checks the DONEs P's WRITEs deliver.
     decoder: Decoder,
     /// Notifications taken from the transport (reused between turns).
@@ -86,8 +80,6 @@ impl Receives {
             awaited: HashMap::new(),
             awaits_kv: false,
             sources: HashMap::new(),
-            connect_requests: None,
-            connector: None,
             decoder: Decoder::new(secret, limits),
             received: Vec::new(),
             retries: HashMap::new(),
@@ -134,42 +126,10 @@ impl<T: Transport> Writer<T> {
         self.settle(&request_id);
     }
 
+    /// Starts connecting to P at `source`; the result comes as `Command::Connected`.
     fn request_connect(&mut self, source: String) {
-        if self.receives.connect_requests.is_none() {
-            let (requests, queue) = mpsc::channel::<String>();
-            let side_channel = Arc::clone(&self.side_channel);
-            let shared = Arc::clone(&self.shared);
-            let spawned = thread::Builder::new()
-                .name(format!("kvpush-connect-{}", self.engine_id))
-                .spawn(move || {
-                    // Connecting blocks (bounded by the connect timeout), so it runs here
-                    // rather than on the writer, which must keep polling.
-                    for source in queue {
-                        let result = side_channel
-                            .connect(&source)
-                            .map_err(|error| ConnectFailure::of(&error));
-                        if !shared.send(Command::Connected { source, result }) {
-                            break;
-                        }
-                    }
-                });
-            match spawned {
-                Ok(handle) => {
-                    self.receives.connector = Some(handle);
-                    self.receives.connect_requests = Some(requests);
-                }
-                Err(e) => {
-                    let failure = ConnectFailure {
-                        reason: format!("cannot start a connector thread: {e}"),
-                        refused: false,
-                    };
-                    self.connected(source, Err(failure));
-                    return;
-                }
-            }
-        }
-        if let Some(requests) = &self.receives.connect_requests {
-            let _ = requests.send(source);
+        if let Err(failure) = self.side_channel.request_connect(&source) {
+            self.connected(source, Err(failure));
         }
     }
 
@@ -732,17 +692,12 @@ impl<T: Transport> Writer<T> {
         }
     }
 
-    /// The endpoint closes: every receive still awaited fails, and the connector thread ends
-    /// after its current attempt.
+    /// The endpoint closes: every receive still awaited fails (the link, closed after the
+    /// writer, ends its connection attempts).
     pub(super) fn close_receives(&mut self) {
         let awaited: Vec<String> = self.receives.awaited.keys().cloned().collect();
         for request_id in awaited {
             self.end_receive(&request_id, Outcome::failed(Reason::Closed, "the endpoint closed"));
-        }
-        // Closing the request queue ends the connector thread after its current attempt.
-        self.receives.connect_requests = None;
-        if let Some(connector) = self.receives.connector.take() {
-            let _ = connector.join();
         }
     }
 }

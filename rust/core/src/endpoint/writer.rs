@@ -20,8 +20,9 @@
 //! reuses them). The writer keeps that on both sides:
 //!
 //! - P posts a WRITE only while D's latest proof of life (the side channel's
-//!   [`SideChannel::proof_age`]: D echoed a heartbeat P sent that recently) is younger than the
-//!   lease (`peer_timeout`), and abandons a WRITE not done within `write_timeout`. A WRITE the
+//!   [`proof_age`](crate::side_channel::SideChannel::proof_age): D echoed a heartbeat P sent
+//!   that recently) is younger than the lease (`peer_timeout`), and abandons a WRITE not done
+//!   within `write_timeout`. A WRITE the
 //!   transport cannot release is *quarantined*: P keeps its source blocks for good and tells D,
 //!   which keeps its blocks too (both counted, reported as `Quarantined`).
 //! - D ends a receive without P's word (FAIL, CANCEL_ACK, DONE) only once P's advertised write
@@ -42,10 +43,11 @@ use crate::layout::KvLayout;
 use crate::planner::Planner;
 use crate::protocol::{Cancel, Fail, Message, Secret};
 use crate::rendezvous::Match;
-use crate::side_channel::{PeerId, PeerInfo, SideChannel, SideChannelError};
+use crate::side_channel::{PeerId, PeerInfo, SideChannelError};
 use crate::transport::{MemorySpace, Transport};
 
 use super::events::Event;
+use super::link::Link;
 use super::receive::Receives;
 use super::send::{Ready, Registration, Sends};
 use super::{EndpointConfig, Expectation, Shared};
@@ -147,7 +149,7 @@ pub(crate) struct Writer<T: Transport> {
     pub(super) layout: KvLayout,
     pub(super) engine_id: String,
     pub(super) shared: Arc<Shared>,
-    pub(super) side_channel: Arc<SideChannel>,
+    pub(super) side_channel: Arc<dyn Link>,
     commands: Receiver<Command>,
     events: Sender<Event>,
     pub(super) peers: HashMap<PeerId, Peer>,
@@ -176,7 +178,7 @@ impl<T: Transport> Writer<T> {
         transport: T,
         secret: Option<Secret>,
         shared: Arc<Shared>,
-        side_channel: Arc<SideChannel>,
+        side_channel: Arc<dyn Link>,
         commands: Receiver<Command>,
         events: Sender<Event>,
     ) -> Self {
