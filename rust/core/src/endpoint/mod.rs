@@ -402,6 +402,12 @@ fn writer_stall(now: u64, beat: u64, others: u64, stall_after: Duration) -> Opti
     (silent > stall_after && seen_running_without_it > stall_after).then_some(silent)
 }
 
+/// An endpoint and what runs it, before it runs: see [`Endpoint::assemble`].
+pub(crate) struct Parts<T: Transport> {
+    pub(crate) endpoint: Endpoint,
+    pub(crate) writer: Writer<T>,
+}
+
 /// One worker's push endpoint; see the module docs.
 #[derive(Debug)]
 pub struct Endpoint {
@@ -418,8 +424,58 @@ impl Endpoint {
     /// worker's KV memory already registered).
     pub fn start<T: Transport + 'static>(
         config: EndpointConfig,
-        mut transport: T,
+        transport: T,
     ) -> Result<Self, EndpointError> {
+        let clock = Arc::new(SystemClock);
+        let parts = Self::assemble(&config, transport, clock, |hello, control, shared, secret| {
+            let mut side_config = SideChannelConfig::new(
+                config.bind,
+                format!("{}/{}", config.engine_id, hello.agent_name),
+            );
+            side_config.secret = secret;
+            side_config.heartbeat_interval = config.heartbeat_interval;
+            side_config.peer_timeout = config.peer_timeout;
+            side_config.connect_timeout = config.connect_timeout;
+            side_config.allow_insecure = config.allow_insecure;
+            side_config.limits = config.limits;
+            let side_channel =
+                Arc::new(SideChannel::start(side_config, hello, control).map_err(|source| {
+                    match source.kind() {
+                        // Refused by policy (no secret beyond loopback): the message says what
+                        // to do.
+                        std::io::ErrorKind::PermissionDenied => {
+                            EndpointError::Invalid(source.to_string())
+                        }
+                        _ => EndpointError::Listen { addr: config.bind, source },
+                    }
+                })?);
+            let engine_id = config.engine_id.clone();
+            Ok(Arc::new(ChannelLink::new(side_channel, Arc::clone(shared), engine_id)))
+        })?;
+        let Parts { endpoint, writer, .. } = parts;
+        let handle = thread::Builder::new()
+            .name(format!("kvpush-writer-{}", config.engine_id))
+            .spawn(move || watch(writer))
+            .map_err(|e| EndpointError::Transport(TransportError::new("spawn writer", e)))?;
+        *lock(&endpoint.writer) = Some(handle);
+        Ok(endpoint)
+    }
+
+    /// An endpoint's parts, before anything runs them: its shared state, Hello and side-channel
+    /// handler, the link `link` makes of them (the side channel, started), and the writer, which
+    /// takes `transport`. [`start`](Self::start) runs the writer on its thread; the simulation
+    /// (`sim`) drives it a turn at a time, on its virtual `clock`.
+    pub(crate) fn assemble<T: Transport>(
+        config: &EndpointConfig,
+        mut transport: T,
+        clock: Arc<dyn Clock>,
+        link: impl FnOnce(
+            Hello,
+            Arc<Control>,
+            &Arc<Shared>,
+            Option<Secret>,
+        ) -> Result<Arc<dyn Link>, EndpointError>,
+    ) -> Result<Parts<T>, EndpointError> {
         let secret = config
             .secret
             .as_deref()
@@ -448,7 +504,6 @@ impl Endpoint {
         };
         let (inbox, commands) = mpsc::channel();
         let (event_sink, events) = mpsc::channel();
-        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let shared = Arc::new(Shared {
             table: RendezvousTable::new(config.table.clone()),
             fanouts: Mutex::new(fanout::FanOuts::new()),
@@ -470,31 +525,9 @@ impl Endpoint {
             config.memory,
             vram_refusal,
         ));
-        let mut side_config = SideChannelConfig::new(
-            config.bind,
-            format!("{}/{}", config.engine_id, transport.name()),
-        );
-        side_config.secret = secret.clone();
-        side_config.heartbeat_interval = config.heartbeat_interval;
-        side_config.peer_timeout = config.peer_timeout;
-        side_config.connect_timeout = config.connect_timeout;
-        side_config.allow_insecure = config.allow_insecure;
-        side_config.limits = config.limits;
-        let side_channel =
-            Arc::new(SideChannel::start(side_config, hello, control).map_err(|source| {
-                match source.kind() {
-                    // Refused by policy (no secret beyond loopback): the message says what to do.
-                    std::io::ErrorKind::PermissionDenied => {
-                        EndpointError::Invalid(source.to_string())
-                    }
-                    _ => EndpointError::Listen { addr: config.bind, source },
-                }
-            })?);
-        let engine_id = config.engine_id.clone();
-        let side_channel: Arc<dyn Link> =
-            Arc::new(ChannelLink::new(side_channel, Arc::clone(&shared), engine_id));
+        let side_channel = link(hello, Arc::clone(&control), &shared, secret.clone())?;
         let writer = Writer::new(
-            &config,
+            config,
             transport,
             secret,
             Arc::clone(&shared),
@@ -502,18 +535,15 @@ impl Endpoint {
             commands,
             event_sink,
         );
-        let handle = thread::Builder::new()
-            .name(format!("kvpush-writer-{}", config.engine_id))
-            .spawn(move || watch(writer))
-            .map_err(|e| EndpointError::Transport(TransportError::new("spawn writer", e)))?;
-        Ok(Self {
+        let endpoint = Self {
             shared,
             events: Mutex::new(events),
             side_channel,
-            writer: Mutex::new(Some(handle)),
+            writer: Mutex::new(None),
             write_horizon: config.write_horizon(),
             memory: config.memory,
-        })
+        };
+        Ok(Parts { endpoint, writer })
     }
 
     /// The side channel address peers (D workers) connect to.

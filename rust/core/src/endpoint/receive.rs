@@ -16,7 +16,7 @@
 //!
 //! `awaited` holds the per-request state and its rules; this module does the I/O they call for.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
@@ -38,8 +38,9 @@ enum Source {
 
 /// The receive path's state in the writer.
 pub(super) struct Receives {
-    /// The receives awaited, by D's request id.
-    awaited: HashMap<String, Awaited>,
+    /// The receives awaited, by D's request id (in order: the writer's I/O for them is then
+    /// the same from run to run, which the simulation's replays rely on).
+    awaited: BTreeMap<String, Awaited>,
     /// Some awaited receive is not fenced (its DONEs may come any moment): poll busily.
     /// Set by every new expectation, recomputed at each deadline check, so that the poll period
     /// does not scan `awaited` on every turn of the loop.
@@ -77,7 +78,7 @@ impl std::fmt::Debug for Receives {
 impl Receives {
     pub(super) fn new(secret: Option<Secret>, limits: Limits) -> Self {
         Self {
-            awaited: HashMap::new(),
+            awaited: BTreeMap::new(),
             awaits_kv: false,
             sources: HashMap::new(),
             decoder: Decoder::new(secret, limits),

@@ -205,7 +205,7 @@ impl<T: Transport> Writer<T> {
     pub(crate) fn run(&mut self) {
         loop {
             self.beat();
-            let mut stop = match self.commands.recv_timeout(self.poll_period()) {
+            let stop = match self.commands.recv_timeout(self.poll_period()) {
                 Ok(command) => {
                     self.last_command = self.shared.now();
                     self.handle(command)
@@ -213,30 +213,38 @@ impl<T: Transport> Writer<T> {
                 Err(RecvTimeoutError::Timeout) => false,
                 Err(RecvTimeoutError::Disconnected) => true,
             };
-            while !stop {
-                match self.commands.try_recv() {
-                    Ok(command) => stop = self.handle(command),
-                    Err(_) => break,
-                }
-            }
-            if stop {
+            if stop || self.step() {
                 break;
-            }
-            // Deadlines first: nothing below may drive the transport for a write before its
-            // deadline was looked at (a stalled process resumes here).
-            self.notice_overdue_writes(self.shared.boot_now());
-            self.poll_writes();
-            self.take_notifications();
-            let now = self.shared.now();
-            if now.saturating_duration_since(self.last_deadline_check) >= DEADLINE_CHECK {
-                self.last_deadline_check = now;
-                self.check_deadlines();
             }
         }
     }
 
+    /// One turn of the loop, without waiting: the commands in the inbox, then the writes and
+    /// notifications, and the deadlines when due. True when the writer must stop. [`run`]
+    /// calls it after each wait; the simulation (`sim`) calls it itself.
+    ///
+    /// [`run`]: Self::run
+    pub(crate) fn step(&mut self) -> bool {
+        while let Ok(command) = self.commands.try_recv() {
+            if self.handle(command) {
+                return true;
+            }
+        }
+        // Deadlines first: nothing below may drive the transport for a write before its
+        // deadline was looked at (a stalled process resumes here).
+        self.notice_overdue_writes(self.shared.boot_now());
+        self.poll_writes();
+        self.take_notifications();
+        let now = self.shared.now();
+        if now.saturating_duration_since(self.last_deadline_check) >= DEADLINE_CHECK {
+            self.last_deadline_check = now;
+            self.check_deadlines();
+        }
+        false
+    }
+
     /// Tells the watchdog (`Shared::health`) the writer is still coming round its loop.
-    fn beat(&self) {
+    pub(crate) fn beat(&self) {
         // Relaxed: a timestamp read on its own.
         self.shared
             .writer_beat_ms
