@@ -6,7 +6,7 @@
 //! paused virtual machine's guest clocks stop with it, whichever is read: that is why D does not
 //! rely on P's clocks at all before handing blocks back; see `endpoint::awaited`.)
 //!
-//! The endpoint reads every clock through a [`Clock`]: the system's ([`SystemClock`]), or a
+//! The endpoint reads every clock through a `Clock`: the system's (`SystemClock`), or a
 //! simulation's virtual one (`endpoint::sim`), which moves only when the simulation says so.
 
 use std::fmt;
@@ -39,6 +39,12 @@ impl BootInstant {
     /// Milliseconds since boot: a clock value to carry in a message or an atomic.
     pub fn as_millis(self) -> u64 {
         u64::try_from(self.0.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The moment `since_boot` after boot: a simulated clock's reading.
+    #[cfg(any(test, feature = "sim"))]
+    pub(crate) fn since_boot(since_boot: Duration) -> Self {
+        Self(since_boot)
     }
 }
 

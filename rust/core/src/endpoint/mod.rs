@@ -33,7 +33,8 @@
 //! - `fanout` (P) and `awaited` (D): one request's state when P and D run different tensor
 //!   parallel sizes (one P rank written into several D ranks; one D rank fed by several P ranks).
 //! - `events`: what the endpoint reports.
-//! - `link`: what the writer needs of the side channel (the real one, or a simulation's).
+//! - `link`: what the writer needs of the side channel; `sim` (tests, and the `sim` feature): a
+//!   deterministic simulation of a P and D pair that drives all of the above on a virtual clock.
 
 mod awaited;
 mod control;
@@ -42,6 +43,8 @@ mod fanout;
 mod link;
 mod receive;
 mod send;
+#[cfg(any(test, feature = "sim"))]
+pub mod sim;
 mod writer;
 
 use std::net::SocketAddr;
@@ -405,6 +408,9 @@ fn writer_stall(now: u64, beat: u64, others: u64, stall_after: Duration) -> Opti
 /// An endpoint and what runs it, before it runs: see [`Endpoint::assemble`].
 pub(crate) struct Parts<T: Transport> {
     pub(crate) endpoint: Endpoint,
+    /// The side channel's handler (the link calls it): the simulation's network calls it.
+    #[cfg_attr(not(any(test, feature = "sim")), allow(dead_code))]
+    pub(crate) control: Arc<Control>,
     pub(crate) writer: Writer<T>,
 }
 
@@ -543,7 +549,7 @@ impl Endpoint {
             write_horizon: config.write_horizon(),
             memory: config.memory,
         };
-        Ok(Parts { endpoint, writer })
+        Ok(Parts { endpoint, control, writer })
     }
 
     /// The side channel address peers (D workers) connect to.
