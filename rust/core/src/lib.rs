@@ -12,6 +12,7 @@
 // rendezvous table they build on), so they are left out of `--cfg loom` builds.
 #[cfg(not(loom))]
 pub mod clock;
+#[cfg(not(loom))]
 pub mod endpoint;
 pub mod key;
 pub mod layout;

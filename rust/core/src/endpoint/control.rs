@@ -224,7 +224,7 @@ impl Control {
                 return;
             }
         };
-        let now = Instant::now();
+        let now = self.shared.now();
         if register.fanout > 1 {
             if let Err((reason, detail)) = self.join_fanout(&key, register.fanout, now) {
                 self.refuse(peer, &register, reason, detail);
@@ -374,7 +374,7 @@ impl Control {
     fn cancel(&self, peer: PeerId, cancel: crate::protocol::Cancel) {
         let Some(owner) = lock(&self.peers).get(&peer).map(|entry| entry.owner) else { return };
         let key = TransferKey::from_canonical(&cancel.transfer_key);
-        let now = Instant::now();
+        let now = self.shared.now();
         let outcome = self.shared.table.cancel_owned(&key, Some(cancel.epoch), Some(owner), now);
         let released = match outcome {
             // The in-flight write's `finish` acknowledges it, on this connection too (a D that
@@ -467,7 +467,7 @@ impl ControlHandler for Control {
     }
 
     fn peer_lost(&self, peer: PeerId, reason: &str) {
-        let at = Instant::now();
+        let at = self.shared.now();
         if let Some(entry) = lock(&self.peers).remove(&peer) {
             self.shared.agents.release(&entry.agent);
         }

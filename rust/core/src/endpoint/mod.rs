@@ -37,6 +37,8 @@
 //! - `agents`: which agent a peer's agent name stands for (name and metadata digest), so that
 //!   a second process reusing a name is refused instead of written into the first one's memory.
 //! - `events`: what the endpoint reports.
+//! - `link`: what the writer needs of the side channel; `sim` (tests, and the `sim` feature): a
+//!   deterministic simulation of a P and D pair that drives all of the above on a virtual clock.
 
 mod agents;
 mod awaited;
@@ -45,8 +47,11 @@ mod control;
 mod events;
 mod fanout;
 mod inbox;
+mod link;
 mod receive;
 mod send;
+#[cfg(any(test, feature = "sim"))]
+pub mod sim;
 #[cfg(test)]
 mod tests;
 mod writer;
@@ -61,7 +66,7 @@ use std::time::{Duration, Instant};
 
 pub use events::{Cause, Event, Outcome, Reason, Role, Timeline};
 
-use crate::clock::BootInstant;
+use crate::clock::{BootInstant, Clock, SystemClock};
 use crate::key::TransferKey;
 use crate::layout::KvLayout;
 use crate::loopback::LoopbackTransport;
@@ -74,6 +79,7 @@ use crate::sync::lock;
 use crate::transport::{MemoryKind, MemorySpace, Transport, TransportError};
 
 use control::Control;
+use link::{ChannelLink, Link};
 use writer::{Command, Writer};
 
 /// How an [`Endpoint`] is set up.
@@ -390,6 +396,8 @@ pub(crate) struct Shared {
     pub(crate) fanouts: Mutex<fanout::FanOuts>,
     /// The writer's inbox, bounded by admission (see `inbox`).
     pub(crate) inbox: inbox::Inbox,
+    /// Every clock the endpoint reads (the system's, or a simulation's).
+    pub(crate) clock: Arc<dyn Clock>,
     pub(crate) origin: Instant,
     /// Why the writer stopped for good (it panicked); set once.
     pub(crate) dead: OnceLock<String>,
@@ -407,19 +415,20 @@ pub(crate) struct Shared {
 
 impl Shared {
     /// The state of a new endpoint whose writer reads the other end of `inbox`.
-    pub(crate) fn new(config: &EndpointConfig, inbox: inbox::Inbox) -> Self {
-        let now = BootInstant::now().as_millis();
+    pub(crate) fn new(config: &EndpointConfig, inbox: inbox::Inbox, clock: Arc<dyn Clock>) -> Self {
+        let now = clock.boot_now().as_millis();
         Self {
             table: RendezvousTable::new(config.table.clone()),
             fanouts: Mutex::new(fanout::FanOuts::new()),
             inbox,
-            origin: Instant::now(),
+            origin: clock.now(),
             counters: Counters::default(),
             dead: OnceLock::new(),
             writer_beat_ms: AtomicU64::new(now),
             others_beat_ms: AtomicU64::new(now),
             stall_after: WRITER_STALL.max(config.peer_timeout),
             agents: agents::Agents::default(),
+            clock,
         }
     }
 
@@ -456,7 +465,22 @@ impl Shared {
 
     /// Now on the boot-time clock, in ms (see `clock`).
     pub(crate) fn millis(&self) -> u64 {
-        BootInstant::now().as_millis()
+        self.boot_now().as_millis()
+    }
+
+    /// Now on the monotonic clock.
+    pub(crate) fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// Now on the boot-time clock.
+    pub(crate) fn boot_now(&self) -> BootInstant {
+        self.clock.boot_now()
+    }
+
+    /// Now on the wall clock (ms since the Unix epoch): signed frames' timestamps.
+    pub(crate) fn unix_millis(&self) -> u64 {
+        self.clock.unix_millis()
     }
 
     /// `Err(reason)` once the writer died or stalled.
@@ -491,12 +515,21 @@ fn writer_stall(now: u64, beat: u64, others: u64, stall_after: Duration) -> Opti
     (silent > stall_after && seen_running_without_it > stall_after).then_some(silent)
 }
 
+/// An endpoint and what runs it, before it runs: see [`Endpoint::assemble`].
+pub(crate) struct Parts<T: Transport> {
+    pub(crate) endpoint: Endpoint,
+    /// The side channel's handler (the link calls it): the simulation's network calls it.
+    #[cfg_attr(not(any(test, feature = "sim")), allow(dead_code))]
+    pub(crate) control: Arc<Control>,
+    pub(crate) writer: Writer<T>,
+}
+
 /// One worker's push endpoint; see the module docs.
 #[derive(Debug)]
 pub struct Endpoint {
     shared: Arc<Shared>,
     events: Mutex<Receiver<Event>>,
-    side_channel: Arc<SideChannel>,
+    side_channel: Arc<dyn Link>,
     writer: Mutex<WriterThread>,
     write_horizon: Duration,
     memory: MemorySpace,
@@ -507,8 +540,58 @@ impl Endpoint {
     /// worker's KV memory already registered).
     pub fn start<T: Transport + 'static>(
         config: EndpointConfig,
-        mut transport: T,
+        transport: T,
     ) -> Result<Self, EndpointError> {
+        let clock = Arc::new(SystemClock);
+        let parts = Self::assemble(&config, transport, clock, |hello, control, shared, secret| {
+            let mut side_config = SideChannelConfig::new(
+                config.bind,
+                format!("{}/{}", config.engine_id, hello.agent_name),
+            );
+            side_config.secret = secret;
+            side_config.heartbeat_interval = config.heartbeat_interval;
+            side_config.peer_timeout = config.peer_timeout;
+            side_config.connect_timeout = config.connect_timeout;
+            side_config.allow_insecure = config.allow_insecure;
+            side_config.limits = config.limits;
+            let side_channel =
+                Arc::new(SideChannel::start(side_config, hello, control).map_err(|source| {
+                    match source.kind() {
+                        // Refused by policy (no secret beyond loopback): the message says what
+                        // to do.
+                        std::io::ErrorKind::PermissionDenied => {
+                            EndpointError::Invalid(source.to_string())
+                        }
+                        _ => EndpointError::Listen { addr: config.bind, source },
+                    }
+                })?);
+            let engine_id = config.engine_id.clone();
+            Ok(Arc::new(ChannelLink::new(side_channel, Arc::clone(shared), engine_id)))
+        })?;
+        let Parts { endpoint, writer, .. } = parts;
+        let handle = thread::Builder::new()
+            .name(format!("kvpush-writer-{}", config.engine_id))
+            .spawn(move || watch(writer))
+            .map_err(|e| EndpointError::Transport(TransportError::new("spawn writer", e)))?;
+        lock(&endpoint.writer).handle = Some(handle);
+        Ok(endpoint)
+    }
+
+    /// An endpoint's parts, before anything runs them: its shared state, Hello and side-channel
+    /// handler, the link `link` makes of them (the side channel, started), and the writer, which
+    /// takes `transport`. [`start`](Self::start) runs the writer on its thread; the simulation
+    /// (`sim`) drives it a turn at a time, on its virtual `clock`.
+    pub(crate) fn assemble<T: Transport>(
+        config: &EndpointConfig,
+        mut transport: T,
+        clock: Arc<dyn Clock>,
+        link: impl FnOnce(
+            Hello,
+            Arc<Control>,
+            &Arc<Shared>,
+            Option<Secret>,
+        ) -> Result<Arc<dyn Link>, EndpointError>,
+    ) -> Result<Parts<T>, EndpointError> {
         let secret = config
             .secret
             .as_deref()
@@ -548,7 +631,7 @@ impl Endpoint {
         }
         let (inbox, commands) = inbox::inbox(config.inbox_capacity);
         let (event_sink, events) = mpsc::channel();
-        let shared = Arc::new(Shared::new(&config, inbox));
+        let shared = Arc::new(Shared::new(config, inbox, clock));
         let vram_refusal =
             transport.can_write_into(MemorySpace { kind: MemoryKind::Vram, device: 0 }).err();
         let control = Arc::new(Control::new(
@@ -561,28 +644,9 @@ impl Endpoint {
             config.memory,
             vram_refusal,
         ));
-        let mut side_config = SideChannelConfig::new(
-            config.bind,
-            format!("{}/{}", config.engine_id, transport.name()),
-        );
-        side_config.secret = secret.clone();
-        side_config.heartbeat_interval = config.heartbeat_interval;
-        side_config.peer_timeout = config.peer_timeout;
-        side_config.connect_timeout = config.connect_timeout;
-        side_config.allow_insecure = config.allow_insecure;
-        side_config.limits = config.limits;
-        let side_channel =
-            Arc::new(SideChannel::start(side_config, hello, control).map_err(|source| {
-                match source.kind() {
-                    // Refused by policy (no secret beyond loopback): the message says what to do.
-                    std::io::ErrorKind::PermissionDenied => {
-                        EndpointError::Invalid(source.to_string())
-                    }
-                    _ => EndpointError::Listen { addr: config.bind, source },
-                }
-            })?);
+        let side_channel = link(hello, Arc::clone(&control), &shared, secret.clone())?;
         let writer = Writer::new(
-            &config,
+            config,
             transport,
             secret,
             Arc::clone(&shared),
@@ -590,18 +654,15 @@ impl Endpoint {
             commands,
             event_sink,
         );
-        let handle = thread::Builder::new()
-            .name(format!("kvpush-writer-{}", config.engine_id))
-            .spawn(move || watch(writer))
-            .map_err(|e| EndpointError::Transport(TransportError::new("spawn writer", e)))?;
-        Ok(Self {
+        let endpoint = Self {
             shared,
             events: Mutex::new(events),
             side_channel,
-            writer: Mutex::new(WriterThread { handle: Some(handle), waited: false }),
+            writer: Mutex::new(WriterThread { handle: None, waited: false }),
             write_horizon: config.write_horizon(),
             memory: config.memory,
-        })
+        };
+        Ok(Parts { endpoint, control, writer })
     }
 
     /// The side channel address peers (D workers) connect to.
@@ -619,7 +680,7 @@ impl Endpoint {
         // Before the table: a match once made must reach the writer.
         self.shared.admit()?;
         let key = TransferKey::for_request(ready.transfer_id.as_deref(), &ready.request_id);
-        let now = Instant::now();
+        let now = self.shared.now();
         let deadline = now + ready.ttl;
         let ready = Arc::new(send::Ready { kv: ready, at: now });
         let matches = {
@@ -670,7 +731,7 @@ impl Endpoint {
 
     fn abort_admitted(&self, request_id: &str, transfer_id: Option<&str>) -> AbortOutcome {
         let key = TransferKey::for_request(transfer_id, request_id);
-        let now = Instant::now();
+        let now = self.shared.now();
         {
             let mut groups = lock(&self.shared.fanouts);
             if let Some(group) = groups.get_mut(&key) {
@@ -744,7 +805,7 @@ impl Endpoint {
         check_ttl(&expectation.request_id, expectation.ttl)?;
         check_sources(&expectation)?;
         self.shared.admit()?;
-        if self.shared.send(Command::Expect(expectation, Instant::now())) {
+        if self.shared.send(Command::Expect(expectation, self.shared.now())) {
             Ok(())
         } else {
             Err(EndpointError::Closed)
@@ -836,7 +897,7 @@ impl Endpoint {
 
     /// Seconds since the endpoint started: the clock event timelines use.
     pub fn clock(&self) -> f64 {
-        self.shared.origin.elapsed().as_secs_f64()
+        self.shared.now().saturating_duration_since(self.shared.origin).as_secs_f64()
     }
 
     /// Stops the writer (failing what is still pending) and the side channel. Idempotent.

@@ -1,8 +1,8 @@
 //! D's receive path: from `Endpoint::expect` to the request's `Receive` event.
 //!
 //! For each P rank an expectation names (a *leg*, see [`awaited`](super::awaited)), the writer
-//! connects to that P if it has no connection yet (on a connect thread of its own, since
-//! connecting blocks: see `connector`), checks that the P rank holds the heads this rank
+//! connects to that P if it has no connection yet (through the link, without waiting: see
+//! `link` and `connector`), checks that the P rank holds the heads this rank
 //! expects from it, and sends the REGISTER that puts D's blocks in P's table, with a fresh
 //! random nonce. It then counts the DONE notifications the transport delivers and acts on P's
 //! FAILs and CANCEL_ACKs. A cancel, a TTL that passed or a leg's failure sends CANCELs to the
@@ -42,21 +42,18 @@
 //!
 //! `awaited` holds the per-request state and its rules; this module does the I/O they call for.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
 use crate::protocol::{
-    fresh_session, unix_millis, Cancel, Decoder, Done, FailReason, Limits, Message, Register,
-    Secret,
+    fresh_session, Cancel, Decoder, Done, FailReason, Limits, Message, Register, Secret,
 };
 use crate::rendezvous::Epoch;
 use crate::side_channel::{PeerId, PeerInfo};
 use crate::transport::{Notification, Transport};
 
 use super::awaited::{Awaited, LegState, Stop};
-use super::connector::Connector;
 use super::events::{Event, Outcome, Reason, Role, Timeline};
 use super::writer::{ConnectFailure, Writer, MAX_HORIZON};
 use super::{Counters, Expectation, Share};
@@ -71,8 +68,9 @@ enum Source {
 /// The receive path's state in the writer.
 pub(super) struct Receives {
     /// The receives awaited, by D's request id; a receive a re-expect superseded, under
-    /// [`superseded_key`] until its legs are over.
-    awaited: HashMap<String, Awaited>,
+    /// [`superseded_key`] until its legs are over. In order: the writer's I/O for them is then
+    /// the same from run to run, which the simulation's replays rely on.
+    awaited: BTreeMap<String, Awaited>,
     /// Superseded receives not yet reported, by request id: the request's current receive is
     /// reported only after them.
     superseded: HashMap<String, usize>,
@@ -81,8 +79,6 @@ pub(super) struct Receives {
     /// does not scan `awaited` on every turn of the loop.
     awaits_kv: bool,
     sources: HashMap<String, Source>,
-    /// The connects being made, from the first one asked for.
-    connector: Option<Connector>,
     /// Checks the DONEs P's WRITEs deliver.
     decoder: Decoder,
     /// Notifications taken from the transport (reused between turns).
@@ -115,11 +111,10 @@ impl std::fmt::Debug for Receives {
 impl Receives {
     pub(super) fn new(secret: Option<Secret>, limits: Limits) -> Self {
         Self {
-            awaited: HashMap::new(),
+            awaited: BTreeMap::new(),
             superseded: HashMap::new(),
             awaits_kv: false,
             sources: HashMap::new(),
-            connector: None,
             decoder: Decoder::new(secret, limits),
             received: Vec::new(),
             retries: HashMap::new(),
@@ -229,20 +224,15 @@ impl<T: Transport> Writer<T> {
         }
     }
 
+    /// Starts connecting to P at `source`; the result comes as `Command::Connected`.
     fn request_connect(&mut self, source: String) {
-        // Connecting blocks (bounded by the connect timeout), so it runs on a thread of its own
-        // rather than on the writer, which must keep polling.
-        let (side_channel, shared) = (&self.side_channel, &self.shared);
-        let connector = self.receives.connector.get_or_insert_with(|| {
-            Connector::new(&self.engine_id, Arc::clone(side_channel), Arc::clone(shared))
-        });
-        connector.request(source);
+        if let Err(failure) = self.side_channel.request_connect(&source) {
+            self.connected(source, Err(failure));
+        }
     }
 
     pub(super) fn connected(&mut self, source: String, result: Result<PeerInfo, ConnectFailure>) {
-        if let Some(connector) = &mut self.receives.connector {
-            connector.finished(&source);
-        }
+        self.side_channel.connect_finished(&source);
         let result = match result {
             // The connection was lost before its result came here (its `PeerLost` was handled
             // first): it is not a source to register with, now or later.
@@ -290,7 +280,7 @@ impl<T: Transport> Writer<T> {
                     // transport first) or its process exited. A host that refuses for a
                     // firewall while P lives would look the same, so the legs still wait out
                     // P's whole horizon, which a running P keeps.
-                    let now = Instant::now();
+                    let now = self.shared.now();
                     let evidence = format!(
                         "nothing listens at {source} any more: its endpoint is gone, and D waited \
                          out its write horizon"
@@ -307,7 +297,7 @@ impl<T: Transport> Writer<T> {
     /// already accepted may still land (for its delivery bound).
     fn ask_again(&mut self, source: &str, peer: PeerId) {
         let Some(agent) = self.peers.get(&peer).map(|p| p.name.clone()) else { return };
-        let now = Instant::now();
+        let now = self.shared.now();
         let mut asks = Vec::new();
         for awaited in self.receives.awaited.values_mut() {
             for leg in awaited.unsettled(source) {
@@ -416,9 +406,10 @@ impl<T: Transport> Writer<T> {
         awaited.legs[leg].nonce = nonce;
         awaited.legs[leg].state = LegState::Registered;
         let e = &awaited.expectation;
-        let ttl_ms =
-            u64::try_from(awaited.deadline.saturating_duration_since(Instant::now()).as_millis())
-                .unwrap_or(u64::MAX);
+        let ttl_ms = u64::try_from(
+            awaited.deadline.saturating_duration_since(self.shared.now()).as_millis(),
+        )
+        .unwrap_or(u64::MAX);
         let register = Register {
             transfer_key: awaited.key.as_str().to_owned(),
             request_id: e.request_id.clone(),
@@ -514,7 +505,7 @@ impl<T: Transport> Writer<T> {
     /// Sends the CANCELs `stops` calls for; each P must acknowledge within its horizon.
     fn stop_legs(&mut self, request_id: &str, stops: &[Stop]) {
         for &Stop::Cancel(peer) in stops {
-            let deadline = Instant::now() + self.horizon(peer);
+            let deadline = self.shared.now() + self.horizon(peer);
             let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
             if let Some(leg) = awaited.leg_on(peer) {
                 awaited.legs[leg].state = LegState::Cancelling { deadline: Some(deadline) };
@@ -551,7 +542,7 @@ impl<T: Transport> Writer<T> {
     fn end_receive(&mut self, key: &str, outcome: Outcome) {
         let Some(awaited) = self.receives.awaited.remove(key) else { return };
         let request_id = awaited.expectation.request_id.clone();
-        let completed = Instant::now();
+        let completed = self.shared.now();
         self.emit(Event {
             role: Role::Receive,
             request_id: request_id.clone(),
@@ -592,7 +583,7 @@ impl<T: Transport> Writer<T> {
             let in_flight = self.horizon_of_agent(&notification.from);
             match self.receives.decoder.decode_unordered(
                 &notification.payload,
-                unix_millis(),
+                self.shared.unix_millis(),
                 in_flight,
             ) {
                 Ok(envelope) => {
@@ -835,15 +826,12 @@ impl<T: Transport> Writer<T> {
         }
     }
 
-    /// The endpoint closes: every receive still awaited fails, and connects still waiting are
-    /// dropped (those running are waited for briefly, each bounded by the connect timeout).
+    /// The endpoint closes: every receive still awaited fails (the link, closed after the
+    /// writer, ends its connection attempts).
     pub(super) fn close_receives(&mut self) {
         let awaited: Vec<String> = self.receives.awaited.keys().cloned().collect();
         for request_id in awaited {
             self.end_receive(&request_id, Outcome::failed(Reason::Closed, "the endpoint closed"));
-        }
-        if let Some(connector) = self.receives.connector.take() {
-            connector.close();
         }
     }
 }

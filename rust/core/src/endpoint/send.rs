@@ -28,8 +28,7 @@ use crate::clock::BootInstant;
 use crate::key::TransferKey;
 use crate::planner::{BlockList, PlanRequest};
 use crate::protocol::{
-    unix_millis, Cancel, CancelAck, Done, Encoder, Fail, FailReason, Hello, Message, Register,
-    Secret,
+    Cancel, CancelAck, Done, Encoder, Fail, FailReason, Hello, Message, Register, Secret,
 };
 use crate::rendezvous::{FenceReason, Match, Outcome as TableOutcome, RendezvousError};
 use crate::side_channel::PeerId;
@@ -199,7 +198,7 @@ impl<T: Transport> Writer<T> {
 
     /// A lost peer: nothing may be written to it; its waiting registrations go now.
     pub(super) fn purge_registrations(&mut self, peer: PeerId) {
-        let now = Instant::now();
+        let now = self.shared.now();
         let purged = self.shared.table.purge(|r: &Registration| r.peer == peer, now);
         for (key, _, _) in &purged {
             Counters::add(&self.shared.counters.purged_registrations);
@@ -297,7 +296,7 @@ impl<T: Transport> Writer<T> {
     }
 
     pub(super) fn write(&mut self, m: Match<Registration, Arc<Ready>>) {
-        let matched = Instant::now();
+        let matched = self.shared.now();
         let Match { key, epoch, registration, ready } = m;
         if let Err(error) = self.shared.table.begin_write(&key, epoch) {
             // Superseded: the newer match is already queued. Fenced: whoever ended the transfer
@@ -319,8 +318,8 @@ impl<T: Transport> Writer<T> {
                 registration,
                 ready,
                 matched,
-                posted: Instant::now(),
-                posted_boot: BootInstant::now(),
+                posted: self.shared.now(),
+                posted_boot: self.shared.boot_now(),
                 bytes,
                 runs,
                 agent,
@@ -328,7 +327,7 @@ impl<T: Transport> Writer<T> {
             }),
             Err((reason, why, detail)) => {
                 let outcome = TableOutcome::Failed(detail.clone());
-                let finished = self.shared.table.finish(&key, epoch, outcome, Instant::now());
+                let finished = self.shared.table.finish(&key, epoch, outcome, self.shared.now());
                 self.send(
                     registration.peer,
                     Message::Fail(registration.fail(reason, detail.clone())),
@@ -361,7 +360,7 @@ impl<T: Transport> Writer<T> {
         match self.shared.table.begin_write(&key, epoch) {
             Ok(()) => {
                 let outcome = TableOutcome::Failed(detail.clone());
-                let _ = self.shared.table.finish(&key, epoch, outcome, Instant::now());
+                let _ = self.shared.table.finish(&key, epoch, outcome, self.shared.now());
                 let fail = registration.fail(FailReason::ShuttingDown, detail.clone());
                 self.send(registration.peer, Message::Fail(fail));
                 self.report_send(
@@ -445,7 +444,7 @@ impl<T: Transport> Writer<T> {
             runs,
             nonce: register.nonce,
         });
-        let notification = self.sends.notifications.encode(&done, unix_millis());
+        let notification = self.sends.notifications.encode(&done, self.shared.unix_millis());
         let remote = peer.memory;
         // The lease, checked last, right before the post: D may have given these blocks up
         // once its proof of life is older than the lease (it then waits out our horizon).
@@ -466,7 +465,7 @@ impl<T: Transport> Writer<T> {
                 ));
             }
         }
-        let checked = Instant::now();
+        let checked = self.shared.now();
         let write = self
             .transport
             .post_write(agent, &plan.runs, self.sends.memory, remote, &notification)
@@ -476,7 +475,7 @@ impl<T: Transport> Writer<T> {
         // The horizon's margin covers the moments between the check and the post; a process
         // stopped right there for longer (SIGSTOP, a VM pause) posted outside it. Nothing can
         // recall a posted WRITE: count it, so that an operator sees the fence was at risk.
-        if checked.elapsed() > HORIZON_MARGIN {
+        if self.shared.now().saturating_duration_since(checked) > HORIZON_MARGIN {
             Counters::add(&self.shared.counters.late_posts);
         }
         let agent = agent.clone();
@@ -543,7 +542,7 @@ impl<T: Transport> Writer<T> {
 
     fn finish(&mut self, w: InFlight, result: Result<(), String>) {
         let delivered = result.is_ok();
-        let now = Instant::now();
+        let now = self.shared.now();
         self.release_agent(&w.agent.clone());
         let outcome = match &result {
             Ok(()) => TableOutcome::Done,
@@ -632,12 +631,12 @@ impl<T: Transport> Writer<T> {
     /// The endpoint closes: writes in flight get `DRAIN_ON_CLOSE` to finish; the rest are cut
     /// (the transport is dropped with the writer, and D finds the endpoint gone).
     pub(super) fn drain_writes(&mut self) {
-        let deadline = Instant::now() + DRAIN_ON_CLOSE;
-        while self.sends.writing() && Instant::now() < deadline {
+        let deadline = self.shared.now() + DRAIN_ON_CLOSE;
+        while self.sends.writing() && self.shared.now() < deadline {
             self.poll_writes();
             thread::sleep(BUSY_POLL);
         }
-        let at = Instant::now();
+        let at = self.shared.now();
         for w in std::mem::take(&mut self.sends.in_flight) {
             self.cut(w, "the endpoint closed during the write", at);
         }

@@ -65,13 +65,14 @@ fn writer(name: &str) -> (Writer<LoopbackTransport>, Receiver<Event>) {
     let config = EndpointConfig::new(name, layout());
     let (inbox, commands) = super::inbox::inbox(config.inbox_capacity);
     let (events, reports) = mpsc::channel();
-    let shared = Arc::new(Shared::new(&config, inbox));
+    let shared = Arc::new(Shared::new(&config, inbox, Arc::new(crate::clock::SystemClock)));
     let side_channel =
         SideChannel::start(SideChannelConfig::new(config.bind, name), hello(name), Arc::new(Deaf))
             .expect("a side channel on loopback");
+    let link =
+        super::link::ChannelLink::new(Arc::new(side_channel), Arc::clone(&shared), name.to_owned());
     let transport = LoopbackTransport::new(name).expect("a fresh agent name");
-    let writer =
-        Writer::new(&config, transport, None, shared, Arc::new(side_channel), commands, events);
+    let writer = Writer::new(&config, transport, None, shared, Arc::new(link), commands, events);
     (writer, reports)
 }
 

@@ -20,8 +20,9 @@
 //! reuses them). The writer keeps that on both sides:
 //!
 //! - P posts a WRITE only while D's latest proof of life (the side channel's
-//!   [`SideChannel::proof_age`]: D echoed a heartbeat P sent that recently) is younger than the
-//!   lease (`peer_timeout`), and abandons a WRITE not done within `write_timeout`. A WRITE the
+//!   [`proof_age`](crate::side_channel::SideChannel::proof_age): D echoed a heartbeat P sent
+//!   that recently) is younger than the lease (`peer_timeout`), and abandons a WRITE not done
+//!   within `write_timeout`. A WRITE the
 //!   transport cannot release is *quarantined*: P keeps its source blocks for good and tells D,
 //!   which keeps its blocks too (both counted, reported as `Quarantined`).
 //! - D ends a receive without P's word (FAIL, CANCEL_ACK, DONE) only once P's advertised write
@@ -42,11 +43,12 @@ use crate::layout::KvLayout;
 use crate::planner::Planner;
 use crate::protocol::{Cancel, Fail, Message, Secret};
 use crate::rendezvous::Match;
-use crate::side_channel::{PeerId, PeerInfo, SideChannel, SideChannelError};
+use crate::side_channel::{PeerId, PeerInfo, SideChannelError};
 use crate::transport::{MemorySpace, Transport};
 
 use super::events::{Event, Reason};
 use super::inbox::Commands;
+use super::link::Link;
 use super::receive::Receives;
 use super::send::{Ready, Registration, Sends};
 use super::{EndpointConfig, Expectation, Shared};
@@ -148,7 +150,7 @@ pub(crate) struct Writer<T: Transport> {
     pub(super) layout: KvLayout,
     pub(super) engine_id: String,
     pub(super) shared: Arc<Shared>,
-    pub(super) side_channel: Arc<SideChannel>,
+    pub(super) side_channel: Arc<dyn Link>,
     commands: Commands,
     events: Sender<Event>,
     pub(super) peers: HashMap<PeerId, Peer>,
@@ -177,11 +179,12 @@ impl<T: Transport> Writer<T> {
         transport: T,
         secret: Option<Secret>,
         shared: Arc<Shared>,
-        side_channel: Arc<SideChannel>,
+        side_channel: Arc<dyn Link>,
         commands: Commands,
         events: Sender<Event>,
     ) -> Self {
         let sends = Sends::new(config, transport.name(), secret.clone());
+        let now = shared.now();
         Self {
             layout: config.layout.clone(),
             engine_id: config.engine_id.clone(),
@@ -193,8 +196,8 @@ impl<T: Transport> Writer<T> {
             peers: HashMap::new(),
             sends,
             receives: Receives::new(secret, config.limits),
-            last_deadline_check: Instant::now(),
-            last_command: Instant::now(),
+            last_deadline_check: now,
+            last_command: now,
         }
     }
 
@@ -203,37 +206,46 @@ impl<T: Transport> Writer<T> {
     pub(crate) fn run(&mut self) {
         loop {
             self.beat();
-            let mut stop = match self.commands.recv_timeout(self.poll_period()) {
+            let stop = match self.commands.recv_timeout(self.poll_period()) {
                 Ok(command) => {
-                    self.last_command = Instant::now();
+                    self.last_command = self.shared.now();
                     self.handle(command)
                 }
                 Err(RecvTimeoutError::Timeout) => false,
                 Err(RecvTimeoutError::Disconnected) => true,
             };
-            while !stop {
-                match self.commands.try_recv() {
-                    Ok(command) => stop = self.handle(command),
-                    Err(_) => break,
-                }
-            }
-            if stop {
+            if stop || self.step() {
                 break;
-            }
-            // Deadlines first: nothing below may drive the transport for a write before its
-            // deadline was looked at (a stalled process resumes here).
-            self.notice_overdue_writes(crate::clock::BootInstant::now());
-            self.poll_writes();
-            self.take_notifications();
-            if self.last_deadline_check.elapsed() >= DEADLINE_CHECK {
-                self.last_deadline_check = Instant::now();
-                self.check_deadlines();
             }
         }
     }
 
+    /// One turn of the loop, without waiting: the commands in the inbox, then the writes and
+    /// notifications, and the deadlines when due. True when the writer must stop. [`run`]
+    /// calls it after each wait; the simulation (`sim`) calls it itself.
+    ///
+    /// [`run`]: Self::run
+    pub(crate) fn step(&mut self) -> bool {
+        while let Ok(command) = self.commands.try_recv() {
+            if self.handle(command) {
+                return true;
+            }
+        }
+        // Deadlines first: nothing below may drive the transport for a write before its
+        // deadline was looked at (a stalled process resumes here).
+        self.notice_overdue_writes(self.shared.boot_now());
+        self.poll_writes();
+        self.take_notifications();
+        let now = self.shared.now();
+        if now.saturating_duration_since(self.last_deadline_check) >= DEADLINE_CHECK {
+            self.last_deadline_check = now;
+            self.check_deadlines();
+        }
+        false
+    }
+
     /// Tells the watchdog (`Shared::health`) the writer is still coming round its loop.
-    fn beat(&self) {
+    pub(crate) fn beat(&self) {
         // Relaxed: a timestamp read on its own.
         self.shared
             .writer_beat_ms
@@ -244,7 +256,9 @@ impl<T: Transport> Writer<T> {
     fn poll_period(&self) -> Duration {
         if self.sends.writing() || self.receives.awaits_kv() {
             BUSY_POLL
-        } else if !self.shared.table.is_empty() || self.last_command.elapsed() < SETTLE {
+        } else if !self.shared.table.is_empty()
+            || self.shared.now().saturating_duration_since(self.last_command) < SETTLE
+        {
             IDLE_POLL
         } else {
             QUIET_POLL
@@ -334,7 +348,7 @@ impl<T: Transport> Writer<T> {
     // ---- both: deadlines and the writer's end ---------------------------------------------
 
     fn check_deadlines(&mut self) {
-        let now = Instant::now();
+        let now = self.shared.now();
         self.expire_sends(now);
         self.check_receives(now);
     }
@@ -349,7 +363,7 @@ impl<T: Transport> Writer<T> {
     /// P's horizon passes after the disconnect. Peers are disconnected so they stop waiting.
     pub(crate) fn die(&mut self, reason: String) {
         self.mark_dead(reason.clone());
-        let at = Instant::now();
+        let at = self.shared.now();
         for peer in self.side_channel.peers() {
             self.side_channel.disconnect(peer.id);
         }
@@ -357,7 +371,7 @@ impl<T: Transport> Writer<T> {
         self.fail_receives(&reason, at);
         // Wait out the horizons (or a close), reporting each receive as its last horizon passes.
         while let Some(next) = self.receives.next_fence() {
-            let wait = next.saturating_duration_since(Instant::now()).min(QUIET_POLL);
+            let wait = next.saturating_duration_since(self.shared.now()).min(QUIET_POLL);
             match self.commands.recv_timeout(wait) {
                 Ok(Command::Stop) | Err(RecvTimeoutError::Disconnected) => break,
                 Ok(Command::Expect(expectation, _)) => {
@@ -365,7 +379,7 @@ impl<T: Transport> Writer<T> {
                 }
                 Ok(_) | Err(RecvTimeoutError::Timeout) => {}
             }
-            self.pass_fences(Instant::now());
+            self.pass_fences(self.shared.now());
         }
         self.shut_down();
     }
