@@ -309,6 +309,27 @@ impl Awaited {
         }
     }
 
+    /// Leg `leg`'s P said its WRITE will not go on, without it having delivered (it failed, or
+    /// was never posted, or P no longer knows it): bytes its host had already accepted may still
+    /// land until `until` (its delivery bound), when the leg ends with `outcome`. With `fails`,
+    /// the receive fails with it now and its other legs stop (the CANCELs returned).
+    pub(super) fn end_leg_at(
+        &mut self,
+        leg: usize,
+        until: Instant,
+        outcome: Outcome,
+        fails: bool,
+    ) -> Vec<Stop> {
+        self.legs[leg].state =
+            LegState::Fenced { until, outcome: outcome.clone(), proof: Proof::Gone };
+        if fails {
+            self.record(outcome);
+            self.stop_all()
+        } else {
+            Vec::new()
+        }
+    }
+
     /// The fenced leg asked on connection `peer` (its P's answer ends it).
     pub(super) fn leg_asked_on(&self, peer: PeerId) -> Option<usize> {
         self.legs.iter().position(|leg| {

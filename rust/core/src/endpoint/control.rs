@@ -15,6 +15,10 @@
 //! epoch) is a duplicate: counted and ignored before the quota, the overload or any other
 //! refusal, since a FAIL for that epoch would end it on D while P may write it.
 //!
+//! A registration that arrives on a connection its D has since replaced by a newer one is
+//! dropped (see `register`): D asks again about what it registered on a lost connection, and
+//! P's answer must not be overtaken by a registration still on its way on the old one.
+//!
 //! A reader thread waits at most `ROOM_WAIT` for room in the writer's inbox (see `inbox`); a
 //! registration that finds none is refused (`fail(refused)`, P is overloaded), and a peer's
 //! cancel or reply that finds none even for ending work is dropped and counted: D's deadlines
@@ -236,8 +240,21 @@ impl Control {
         // A refused registration is dropped by the table; keep what the reply needs.
         let reply_to = Register { groups: Vec::new(), ..register.clone() };
         let registration = Registration { peer, register, at: now, _slot: slot };
-        let arrival =
-            self.shared.table.register_owned(key, epoch, entry.owner, registration, now + ttl, now);
+        let arrival = {
+            // A registration that arrives on a connection its D has since replaced (a newer
+            // connection of the same owner joined) is dropped: D lost this one, asked again on
+            // the new one, and may have been answered that P holds nothing for the transfer
+            // already. Checked and inserted under the peers' lock, which the new connection's
+            // join takes before D can send anything on it: either this registration is in the
+            // table before D's question, which then finds it, or it is dropped.
+            let peers = lock(&self.peers);
+            let replaced = peers.iter().any(|(&id, other)| id > peer && other.owner == entry.owner);
+            if replaced {
+                Counters::add(&self.shared.counters.refused_registrations);
+                return;
+            }
+            self.shared.table.register_owned(key, epoch, entry.owner, registration, now + ttl, now)
+        };
         match arrival {
             Ok(Arrival::Matched(m)) => {
                 self.shared.send(Command::Write(m));

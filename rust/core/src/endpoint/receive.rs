@@ -637,12 +637,24 @@ impl<T: Transport> Writer<T> {
                 };
                 let detail =
                     format!("{}: {} ({})", awaited.label(leg), fail.detail, fail.reason.as_str());
+                let failed_write = matches!(fail.reason, FailReason::WriteError);
                 let outcome = match fail.reason {
                     // P's WRITE may still be landing: whatever D wanted, the blocks stay held.
                     FailReason::Quarantined => Outcome::quarantined(detail),
                     reason => Outcome::failed(Reason::of_fail(&reason), detail),
                 };
-                self.end_leg(&key, leg, Some(outcome));
+                let bound = awaited.legs[leg].delivery_bound;
+                if failed_write && !bound.is_zero() {
+                    // A WRITE that failed may have left bytes in P's host (TCP's retransmission
+                    // queue): they may land for P's delivery bound yet.
+                    let until = self.shared.now() + bound;
+                    let Some(awaited) = self.receives.awaited.get_mut(&key) else { return };
+                    let stops = awaited.end_leg_at(leg, until, outcome, true);
+                    self.stop_legs(&key, &stops);
+                    self.settle(&key);
+                } else {
+                    self.end_leg(&key, leg, Some(outcome));
+                }
             }
             Message::CancelAck(ack) => {
                 let Some(key) = self.receive_at(&ack.request_id, ack.epoch) else { return };
@@ -650,12 +662,38 @@ impl<T: Transport> Writer<T> {
                 let cancelled = awaited
                     .leg_on(peer)
                     .filter(|&leg| matches!(awaited.legs[leg].state, LegState::Cancelling { .. }));
+                let now = self.shared.now();
                 if let Some(leg) = cancelled {
-                    self.end_leg(&key, leg, None);
+                    let bound = awaited.legs[leg].delivery_bound;
+                    if ack.wrote && !ack.delivered && !bound.is_zero() {
+                        // The WRITE failed: bytes it left in P's host may land for P's delivery
+                        // bound yet (the receive already ends cancelled).
+                        let outcome = Outcome::cancelled(
+                            Reason::Cancelled,
+                            format!("{} acknowledged the cancel", awaited.label(leg)),
+                        );
+                        awaited.end_leg_at(leg, now + bound, outcome, false);
+                    } else {
+                        self.end_leg(&key, leg, None);
+                    }
                 } else if let Some(leg) = awaited.leg_asked_on(peer).filter(|_| ack.delivered) {
                     // A lost P's word, asked on a new connection: its WRITE completed, every
                     // byte is here (the DONE that says so may still come, or not at all).
                     self.end_leg(&key, leg, None);
+                } else if let Some(leg) = awaited
+                    .leg_asked_on(peer)
+                    .filter(|&leg| !awaited.legs[leg].delivery_bound.is_zero())
+                {
+                    // A lost P's word that its WRITE will not go on, but not that it delivered:
+                    // a WRITE that failed, on the connection D lost (its FAIL lost with it), may
+                    // have left bytes in P's host for its delivery bound.
+                    let bound = awaited.legs[leg].delivery_bound;
+                    let evidence = format!(
+                        "{} confirmed that its transport had finished with the transfer, and \
+                         its host's accepted bytes had {bound:.1?} more to land",
+                        awaited.label(leg)
+                    );
+                    awaited.gone(leg, now + bound, &evidence);
                 } else if let Some(leg) = awaited.leg_asked_on(peer) {
                     // A lost P's word, asked on a new connection: nothing more of it can land.
                     let evidence = format!(

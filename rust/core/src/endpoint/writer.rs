@@ -206,36 +206,48 @@ impl<T: Transport> Writer<T> {
     pub(crate) fn run(&mut self) {
         loop {
             self.beat();
-            let stop = match self.commands.recv_timeout(self.poll_period()) {
+            let first = match self.commands.recv_timeout(self.poll_period()) {
                 Ok(command) => {
                     self.last_command = self.shared.now();
-                    self.handle(command)
+                    Some(command)
                 }
-                Err(RecvTimeoutError::Timeout) => false,
-                Err(RecvTimeoutError::Disconnected) => true,
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => break,
             };
-            if stop || self.step() {
+            if self.step(first) {
                 break;
             }
         }
     }
 
-    /// One turn of the loop, without waiting: the commands in the inbox, then the writes and
-    /// notifications, and the deadlines when due. True when the writer must stop. [`run`]
-    /// calls it after each wait; the simulation (`sim`) calls it itself.
+    /// One turn of the loop, without waiting: `first` (the command a wait returned) and the
+    /// others in the inbox, then the writes and notifications, and the deadlines when due. True
+    /// when the writer must stop. [`run`] calls it after each wait; the simulation (`sim`) calls
+    /// it itself.
+    ///
+    /// The commands are taken before the transport is drained and acted on after: P's word
+    /// about a WRITE (a FAIL, a CANCEL_ACK) then ends a leg only once D unpacked every byte of
+    /// that WRITE that had reached it before the word did (over TCP, D's own progress lands
+    /// them; NIXL drains all that arrived on each call).
     ///
     /// [`run`]: Self::run
-    pub(crate) fn step(&mut self) -> bool {
-        while let Ok(command) = self.commands.try_recv() {
-            if self.handle(command) {
-                return true;
-            }
+    pub(crate) fn step(&mut self, first: Option<Command>) -> bool {
+        let mut commands: Vec<Command> = first.into_iter().collect();
+        // Up to a stop (once stopping, the inbox answers nothing else).
+        while !matches!(commands.last(), Some(Command::Stop)) {
+            let Ok(command) = self.commands.try_recv() else { break };
+            commands.push(command);
         }
         // Deadlines first: nothing below may drive the transport for a write before its
         // deadline was looked at (a stalled process resumes here).
         self.notice_overdue_writes(self.shared.boot_now());
         self.poll_writes();
         self.take_notifications();
+        for command in commands {
+            if self.handle(command) {
+                return true;
+            }
+        }
         let now = self.shared.now();
         if now.saturating_duration_since(self.last_deadline_check) >= DEADLINE_CHECK {
             self.last_deadline_check = now;

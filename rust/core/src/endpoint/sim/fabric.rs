@@ -140,10 +140,12 @@ impl Fabric {
 impl Lab {
     /// P's data path to D was cut and heals now: held bytes get through after TCP's backoff,
     /// unless they were held past the delivery bound: then TCP gave up, and they are lost with
-    /// everything behind them.
+    /// everything behind them. With nothing held, TCP has nothing to back off for: what is sent
+    /// from now on goes at once.
     pub(super) fn data_path_healed(&mut self, backoff: Duration) {
         let now = self.now();
-        let resume = now + backoff;
+        let held = self.fabric.wire.values().any(|wire| !wire.is_empty());
+        let resume = if held { now + backoff } else { now };
         self.fabric.resume = resume;
         let bound = self.fabric.delivery_bound;
         let mut lost = Vec::new();
@@ -265,7 +267,7 @@ impl Lab {
                         self.complete_cma(key);
                     }
                 }
-                Progress::Tcp { local_completion } => {
+                Progress::Tcp { .. } => {
                     let arrive = now + self.latency();
                     self.wire_push(
                         key.0,
@@ -277,9 +279,6 @@ impl Lab {
                     w.moved += 1;
                     if w.moved == total {
                         let (from, payload) = (w.from.clone(), w.notification.clone());
-                        if local_completion {
-                            w.status = Status::Done;
-                        }
                         let arrive = now + self.latency();
                         self.wire_push(key.0, now, arrive, Wired::Done { from, payload });
                     }
@@ -311,7 +310,11 @@ impl Lab {
         if let Some(w) = self.fabric.writes.get_mut(&key) {
             w.status = Status::Failed(why.to_owned());
         }
-        // The connection's reset loses what had not landed yet.
+        // The connection's reset loses what had not landed yet, unless the failure was UCX's
+        // own on a connection that still carries what was sent.
+        if matches!(self.fabric.progress, Progress::Tcp { failures_leave_bytes: true }) {
+            return;
+        }
         if let Some(wire) = self.fabric.wire.get_mut(&key.0) {
             wire.retain(|item| !matches!(item.what, Wired::Chunk { write, .. } if write == key.1));
         }
@@ -350,15 +353,15 @@ impl Lab {
         }
     }
 
-    /// D's progress call: over `tcp`, unpacks what arrived (landing bytes, taking DONEs); over
-    /// `cma`, takes the DONEs due.
+    /// D's progress call: over `tcp`, unpacks everything that arrived (landing bytes, taking
+    /// DONEs), as NIXL's `getNotifs` does (it progresses UCX until nothing more is to be done);
+    /// over `cma`, takes the DONEs due.
     fn take(&mut self, out: &mut Vec<Notification>) {
         let now = self.now();
         let open = self.net.blocked[Side::P.index()] == 0 && now >= self.fabric.resume;
         let incarnations: Vec<u32> = self.fabric.wire.keys().copied().collect();
         for incarnation in incarnations {
-            let budget = self.rng.between(1, 6);
-            for _ in 0..budget {
+            loop {
                 let due = self
                     .fabric
                     .wire

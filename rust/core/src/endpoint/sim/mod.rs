@@ -23,25 +23,22 @@
 //! state in a fixed order, so a seed replays its schedule exactly; a violation prints the seed,
 //! the plan and the end of the trace.
 //!
-//! # Known bugs
+//! # What it found
 //!
-//! The full [`Model`] finds two ways in which bytes land in blocks D handed back; CI runs
-//! [`Model::WITHOUT_KNOWN_BUGS`], which leaves out what exposes them, and `tests` keeps a seed of
-//! each (ignored until they are fixed).
+//! Two ways in which bytes landed in blocks D had handed back, both fixed (`tests` keeps a seed
+//! of each, which fails without its fix):
 //!
-//! - **A**: P's word overtakes its own bytes over TCP. P answers D's CANCEL (`cancel_ack`) once
-//!   NIXL reported the WRITE done, which over UCX's TCP transport means that its last bytes left
-//!   P's host, not that they landed; the acknowledgement goes on the side channel, another
-//!   connection, and D hands the blocks back on it. With `wrote: true` (the cancel waited for the
-//!   WRITE; seed 1046) and with `wrote: false` (the cancel came after the WRITE, which P no
-//!   longer knows of; seed 2885). Only [`Progress::Tcp`] with local completion.
-//! - **B**: a REGISTER still on its way on a lost connection outlives D's renewed cancel. D's
-//!   REGISTER is held up on its connection (P's connection thread stuck, or TCP's backoff); D
-//!   loses the connection and asks again on a new one; P, which holds only its own ready KV
-//!   for the transfer, acknowledges (`wrote: false`) and D hands the blocks back; then the old
-//!   REGISTER reaches P's table, matches, and passes P's lease, because P was a paused virtual
-//!   machine whose clocks did not count the pause (seed 49051). Only with
-//!   [`PauseClocks::BothStop`].
+//! - Over TCP, a WRITE that fails may leave bytes on their way, and P's FAIL (or its answer to
+//!   D's renewed cancel, on the connection D asked again on) may reach D before them: D now
+//!   hands the blocks back only once P's delivery bound passed after P's word, and acts on
+//!   P's word only after draining its own transport of what had already reached it.
+//! - A REGISTER held up on a connection D then lost reached P's table after D had asked again
+//!   on a new connection and P had answered that it held nothing: P now drops a registration
+//!   from a connection its D has since replaced.
+//!
+//! Modelling what NIXL does rather than what it might: a WRITE over TCP is done once its bytes
+//! landed (NIXL flushes the endpoint after the data), and D's `take_notifications` unpacks
+//! everything that arrived (NIXL's `getNotifs` progresses UCX until nothing is left to do).
 //!
 //! What it does not model: interleavings inside one turn (a writer turn runs whole while the
 //! handlers wait; the rendezvous table's own concurrency is loom's to check); several P or D
@@ -403,10 +400,9 @@ impl fmt::Display for Report {
         for line in &self.trace {
             writeln!(f, "  {line}")?;
         }
-        let model = if self.plan.model == Model::FULL { "" } else { " KVPUSH_SIM_MODEL=ci" };
         write!(
             f,
-            "replay: KVPUSH_SIM_SEED={}{model} cargo run --release -p kvpush-core --features sim \
+            "replay: KVPUSH_SIM_SEED={} cargo run --release -p kvpush-core --features sim \
              --example sim",
             self.plan.seed
         )
@@ -689,7 +685,7 @@ impl Sim {
                 drop(lab);
                 if let Some(writer) = self.writers[s].as_mut() {
                     writer.beat();
-                    let stop = writer.step();
+                    let stop = writer.step(None);
                     debug_assert!(!stop, "nothing stops a simulated writer");
                 }
                 lock(&self.lab).drain_events();
