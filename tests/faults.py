@@ -338,7 +338,30 @@ class Fault:
         self.end()
 
 
-class ProcessPause(Fault):
+class TimedFault(Fault):
+    """A :class:`Fault` that holds from :meth:`_hold` (the subclass's ``__init__`` calls it once
+    the fault took hold) until a timer thread ends it after ``seconds``, or :meth:`end` does
+    first; :meth:`_heal` undoes it, once."""
+
+    def _hold(self, seconds: float) -> None:
+        self._lock = threading.Lock()
+        self.started = time.monotonic()
+        self._timer = threading.Timer(seconds, self.end)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _heal(self) -> None:
+        raise NotImplementedError
+
+    def end(self) -> None:
+        with self._lock:
+            if self.ended is None:
+                self.ended = time.monotonic()
+                self._heal()
+        self._timer.cancel()
+
+
+class ProcessPause(TimedFault):
     """Process ``pid`` stopped (SIGSTOP) as a whole: every thread, as a VM pause or a debugger
     would; SIGCONT from a timer thread after ``seconds``."""
 
@@ -346,20 +369,12 @@ class ProcessPause(Fault):
         if not 0 < seconds <= MAX_STOP:
             raise ValueError(f"a pause lasts 0..{MAX_STOP}s, not {seconds}")
         self.pid = pid
-        self._lock = threading.Lock()
         _stop_process(pid, timeout=5.0)
-        self.started = time.monotonic()
-        self._timer = threading.Timer(seconds, self.end)
-        self._timer.daemon = True
-        self._timer.start()
+        self._hold(seconds)
 
-    def end(self) -> None:
-        with self._lock:
-            if self.ended is None:
-                self.ended = time.monotonic()
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.pid, signal.SIGCONT)
-        self._timer.cancel()
+    def _heal(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
 
 
 # ---- one thread of a process (ptrace) --------------------------------------------------------

@@ -16,7 +16,6 @@ import contextlib
 import os
 import random
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import pytest
 
 from kvpush_lab.peer import NETNS_ENV, CacheShape, RemoteWorker, Request
 from tests.conftest import nixl_or_skip
-from tests.faults import Bounds, Fault, Outcomes, fenced_through, wait_for
+from tests.faults import Bounds, Outcomes, TimedFault, fenced_through, wait_for
 from tests.test_transfer import P_SEED, make_requests
 
 SECRET = b"shared-secret-of-the-netns-pair"
@@ -325,26 +324,18 @@ CUT_BEFORE_GIVING_UP = 0.7
 BOUNDS = Bounds(d=PEER_TIMEOUT + HORIZON + 1.0, p=WRITE_TIMEOUT + 1.0 + 1.0, watch=WATCH)
 
 
-class LinkCut(Fault):
+class LinkCut(TimedFault):
     """``veth`` cut now (P's end down), healed after ``seconds`` or at :meth:`end`: P's end up
     again and the data link's throttle lifted."""
 
     def __init__(self, hosts: Hosts, veth: Veth, seconds: float) -> None:
         self.hosts, self.veth = hosts, veth
-        self._lock = threading.Lock()
         hosts.link(up=False, veth=veth)
-        self.started = time.monotonic()
-        self._timer = threading.Timer(seconds, self.end)
-        self._timer.daemon = True
-        self._timer.start()
+        self._hold(seconds)
 
-    def end(self) -> None:
-        with self._lock:
-            if self.ended is None:
-                self.ended = time.monotonic()
-                self.hosts.link(up=True, veth=self.veth)
-                self.hosts.unthrottle()
-        self._timer.cancel()
+    def _heal(self) -> None:
+        self.hosts.link(up=True, veth=self.veth)
+        self.hosts.unthrottle()
 
 
 def whole_cache_request() -> Request:
