@@ -17,21 +17,25 @@
 //! # The fence
 //!
 //! No byte may land in D's blocks once D reported their receive failed (vLLM then frees or
-//! reuses them). The writer keeps that on both sides:
+//! reuses them). A lost connection is not proof that P stopped, and neither is time (a stopped
+//! process keeps no deadline), so the writer keeps it by evidence:
 //!
 //! - P posts a WRITE only while D's latest proof of life (the side channel's
 //!   [`proof_age`](crate::side_channel::SideChannel::proof_age): D echoed a heartbeat P sent
-//!   that recently) is younger than the lease (`peer_timeout`), and abandons a WRITE not done
-//!   within `write_timeout`. A WRITE the
-//!   transport cannot release is *quarantined*: P keeps its source blocks for good and tells D,
-//!   which keeps its blocks too (both counted, reported as `Quarantined`).
-//! - D ends a receive without P's word (FAIL, CANCEL_ACK, DONE) only once P's advertised write
-//!   horizon (lease + write timeout + the transport's delivery bound + margin) has passed since D
-//!   stopped proving it is alive, i.e. since its connection to P closed. A lost connection is not
-//!   proof that P stopped.
-//! - P drops a lost peer's registrations at once, and refuses to post for a peer it no longer
-//!   has; a reconnect never tears down the NIXL agent the new connection uses (agents are
-//!   reference-counted by name, and names are unique per process).
+//!   that recently) is younger than the lease (`peer_timeout`). It looks at every WRITE's
+//!   deadline before anything drives the transport in a turn; a WRITE past `write_timeout` is
+//!   reported quarantined and held, never released (NIXL's release of an unfinished WRITE does
+//!   not stop UCX), until the transport finishes it. P's FAIL and CANCEL_ACK for a WRITE go out
+//!   only once the transport finished with it, to every connection of D's that asked.
+//! - D ends a leg without its DONE only on evidence (see `awaited`): P's word (FAIL, or
+//!   CANCEL_ACK, asked again on a new connection when D lost the old one), followed by P's
+//!   delivery bound when the WRITE did not deliver; or P's endpoint found gone. P's horizon
+//!   passing without evidence brings a quarantine notice, and the blocks stay held. D acts on
+//!   P's word only after draining its transport of what had already reached it (`step`).
+//! - P drops a lost peer's registrations at once, a registration arriving on a connection its D
+//!   has since replaced, and refuses to post for a peer it no longer has; a reconnect never
+//!   tears down the NIXL agent the new connection uses (agents are reference-counted by name,
+//!   and names are unique per process).
 
 use std::collections::HashMap;
 use std::sync::mpsc::{RecvTimeoutError, Sender};
