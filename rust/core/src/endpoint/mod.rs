@@ -902,7 +902,7 @@ impl Endpoint {
 
     /// Stops the writer (failing what is still pending) and the side channel. Idempotent.
     ///
-    /// Bounded: the writer gets `DRAIN_ON_CLOSE` for its writes in flight and [`CLOSE_MARGIN`]
+    /// Bounded: the writer gets `DRAIN_ON_CLOSE` for its writes in flight and `CLOSE_MARGIN` (3 s)
     /// more to exit. One stuck in a transport call is left running, and close answers
     /// [`EndpointError::StuckOnClose`] with what it held (a later close answers it again, at
     /// once, while the writer still runs); its transport, which holds the registered KV memory,

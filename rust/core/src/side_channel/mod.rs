@@ -648,7 +648,7 @@ impl SideChannel {
     /// the reason "closed by this side") and joins every thread.
     ///
     /// Idempotent: later calls (and `Drop`) return at once. Waits at most about
-    /// [`CLOSE_GRACE`] (2 s) for handler callbacks still running; a thread stuck in one past
+    /// `CLOSE_GRACE` (2 s) for handler callbacks still running; a thread stuck in one past
     /// that is left to finish on its own. Safe to call from a handler callback (that thread is
     /// not waited for).
     pub fn close(&self) {
