@@ -261,6 +261,31 @@ def test_p_paused_past_the_peer_timeout_lands_nothing_after_d_fails(transport: s
         assert_nothing_left_on_p(pair)
 
 
+# Longer than the endpoint's writer-stall threshold (10 s, or the peer timeout if longer).
+WHOLE_PAUSE = 11.5
+
+
+def test_p_stopped_as_a_whole_past_the_stall_threshold_comes_back_healthy() -> None:
+    """A paused VM or a SIGSTOP stops every thread of P at once: on resuming, P's writer has not
+    run for longer than the stall threshold, but neither has anything else, so P is not judged
+    stuck. It is healthy again without a restart and serves the next transfer."""
+    nixl_or_skip()
+    with fault_pair("nixl") as pair:
+        (first,) = make_requests(random.Random(26), 1, "whole")
+        with ProcessPause(pair.p.pid, WHOLE_PAUSE) as pause:
+            assert wait_for(lambda: pause.ended is not None, WHOLE_PAUSE + 5.0)
+        pair.row["fault"] = f"P stopped {WHOLE_PAUSE:.1f}s"
+        health = pair.p.health()
+        assert health is None, f"P unhealthy after a whole-process pause: {health}"
+        pair.d.expect(pair.source, [first])
+        wait_until_registered(pair)
+        assert pair.p.ready([first]) == []
+        received = receive_outcome(pair)
+        assert received["outcome"] == "done", received
+        pair.verify([first])
+        assert pair.p.health() is None
+
+
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 def test_partition_while_p_writes_delivers_whole_or_lands_nothing_after_d_fails(
     transport: str,

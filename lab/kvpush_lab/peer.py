@@ -291,6 +291,10 @@ class Worker:
     def write_horizon(self) -> float:
         return self.endpoint.write_horizon
 
+    def health(self) -> str | None:
+        """None while the endpoint is healthy, else why not."""
+        return self.endpoint.health()
+
     def pending(self) -> int:
         return self.endpoint.pending
 
