@@ -23,6 +23,7 @@
 //! `Stop` is a flag as well as a command: the writer sees it on its next receive, ahead of
 //! whatever is still queued, so a backlog never delays a close.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::Arc;
@@ -56,6 +57,9 @@ pub(crate) struct Inbox {
 pub(crate) struct Commands {
     receiver: Receiver<Command>,
     depth: Arc<Depth>,
+    /// A command taken from the channel as the stop arrived: answered as `Stop`, it heads the
+    /// backlog, so that it still ends in its event (dropped, its request would never end).
+    held: RefCell<Option<Command>>,
 }
 
 /// No room: this many commands wait, against this capacity.
@@ -69,7 +73,10 @@ pub(crate) struct Full {
 pub(crate) fn inbox(capacity: usize) -> (Inbox, Commands) {
     let (sender, receiver) = mpsc::channel();
     let depth = Arc::new(Depth { queued: AtomicUsize::new(0), stopping: AtomicBool::new(false) });
-    (Inbox { sender, depth: Arc::clone(&depth), capacity }, Commands { receiver, depth })
+    (
+        Inbox { sender, depth: Arc::clone(&depth), capacity },
+        Commands { receiver, depth, held: RefCell::new(None) },
+    )
 }
 
 impl Inbox {
@@ -148,7 +155,17 @@ impl Commands {
         }
         let command = self.receiver.recv_timeout(timeout)?;
         self.took();
-        Ok(if self.stopping() { Command::Stop } else { command })
+        Ok(self.unless_stopping(command))
+    }
+
+    /// `command`, just taken, or `Stop` if the inbox was stopped while it was taken: then it is
+    /// held for the [`backlog`](Self::backlog), which ends it.
+    fn unless_stopping(&self, command: Command) -> Command {
+        if self.stopping() {
+            *self.held.borrow_mut() = Some(command);
+            return Command::Stop;
+        }
+        command
     }
 
     /// The next command if one waits; `Stop` once the inbox was stopped.
@@ -165,11 +182,11 @@ impl Commands {
     /// for the writer's end, which must still end each request among them (see
     /// `Writer::end_backlog`).
     pub(crate) fn backlog(&self) -> Vec<Command> {
-        let backlog: Vec<Command> = self.receiver.try_iter().collect();
-        for _ in &backlog {
+        let taken: Vec<Command> = self.receiver.try_iter().collect();
+        for _ in &taken {
             self.took();
         }
-        backlog
+        self.held.take().into_iter().chain(taken).collect()
     }
 
     fn took(&self) {
@@ -225,6 +242,27 @@ mod tests {
         inbox.stop();
         assert!(stops(&commands.try_recv().unwrap()));
         assert!(stops(&commands.recv_timeout(Duration::ZERO).unwrap()));
+    }
+
+    #[test]
+    fn a_command_taken_as_the_stop_arrives_heads_the_backlog() {
+        let (inbox, commands) = inbox(4);
+        assert!(inbox.send(filler("a")));
+        assert!(inbox.send(filler("b")));
+        // The writer's receive took "a" just before the stop was set.
+        let taken = commands.receiver.recv().unwrap();
+        inbox.stop();
+        assert!(stops(&commands.unless_stopping(taken)));
+        let backlog = commands.backlog();
+        let names: Vec<&str> = backlog
+            .iter()
+            .map(|command| match command {
+                Command::ReportFanOut(key) => key.as_str(),
+                Command::Stop => "stop",
+                _ => "other",
+            })
+            .collect();
+        assert_eq!(names, ["a", "b", "stop"]);
     }
 
     #[test]
