@@ -103,9 +103,9 @@ pub struct EndpointConfig {
     pub secret: Option<Vec<u8>>,
     /// Rendezvous table sizing.
     pub table: TableConfig,
-    /// A posted write that is not done after this long is abandoned: reported failed once the
-    /// transport released it, quarantined (its blocks held on both sides) when it cannot.
-    /// Default 10 s. Part of the write horizon this worker advertises.
+    /// A posted write that is not done after this long is reported quarantined: its blocks stay
+    /// held on both sides until the transport has finished with it (a posted WRITE cannot be
+    /// recalled). Default 10 s. Part of the write horizon this worker advertises.
     pub write_timeout: Duration,
     /// Side channel heartbeat period; a peer silent for `peer_timeout` is lost.
     pub heartbeat_interval: Duration,
@@ -115,7 +115,7 @@ pub struct EndpointConfig {
     /// Longest wait for a side channel connection and handshake.
     pub connect_timeout: Duration,
     /// How long bytes the transport accepted for a WRITE can still land after the write
-    /// completed or was abandoned locally: over UCX's TCP transport, a WRITE "completes" once the
+    /// completed (or P's endpoint went away): over UCX's TCP transport, a WRITE "completes" once the
     /// kernel has the bytes, and a cut link that comes back delivers them until TCP gives up
     /// retransmitting (`net.ipv4.tcp_retries2`); over RDMA, the queue pair's retry budget; over
     /// a loopback device, nothing. Part of the write horizon. Default: the loopback transport's

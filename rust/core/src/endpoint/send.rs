@@ -8,8 +8,9 @@
 //!    registration overtook;
 //! 2. plans it against D's layout, checks D's lease (the fence: see `writer`) and posts the
 //!    WRITE whose notification is the DONE;
-//! 3. polls it every turn of its loop until the transport reports it done or failed, or it runs
-//!    past `write_timeout` and is abandoned (quarantined when the transport cannot release it);
+//! 3. polls it every turn of its loop until the transport reports it done or failed (one past
+//!    `write_timeout` is reported quarantined, and held, before that turn drives the transport:
+//!    a posted WRITE cannot be recalled, so it is never abandoned);
 //! 4. finishes it in the table (which may hand back a re-registration that arrived meanwhile, to
 //!    be written next, or a cancel that waited for the write, to acknowledge), tells D of a
 //!    failure, and reports the send: one event per request, after the last slot of a transfer

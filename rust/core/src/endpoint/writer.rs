@@ -375,7 +375,8 @@ impl<T: Transport> Writer<T> {
     }
 
     /// The writer's loop panicked: fail everything at once, as far as the fence allows. P's
-    /// writes are abandoned (or quarantined) and its table emptied; D's receives end as their
+    /// writes in flight are cut (nothing drives the transport for them again, and D is not
+    /// told) and its table emptied; D's receives end as their
     /// P's horizon passes after the disconnect. Peers are disconnected so they stop waiting.
     pub(crate) fn die(&mut self, reason: String) {
         self.mark_dead(reason.clone());

@@ -210,8 +210,9 @@ pub enum FailReason {
     ShuttingDown,
     /// P and D are not compatible (compatibility hash, layout, version).
     Incompatible,
-    /// P abandoned the WRITE but the transport could not release it: it may still be landing.
-    /// D must keep the destination blocks (never reuse them); P keeps its source blocks.
+    /// P gave up on a WRITE that may still be landing (kvpush itself no longer sends it: it
+    /// holds such a WRITE until NIXL finishes it). A notice, not an end: D keeps the
+    /// destination blocks (never reuses them) until P's word or P's endpoint is gone.
     Quarantined,
     /// A reason this build does not know; carries the wire string.
     Unknown(String),
