@@ -96,6 +96,8 @@ def installed_nixl() -> tuple[str, Path]:
         spec = importlib.util.find_spec(module)
         if spec is not None and spec.origin is not None:
             return module, Path(spec.origin).parent.parent
+    if os.environ.get("KVPUSH_REQUIRE_NIXL"):
+        pytest.fail("no NIXL wheel installed, and KVPUSH_REQUIRE_NIXL requires one")
     pytest.skip("no NIXL wheel installed")
 
 

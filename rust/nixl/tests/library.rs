@@ -2,19 +2,13 @@
 //! is not NIXL's stub, and anything else is refused with every missing name.
 //!
 //! The NIXL tests need `KVPUSH_NIXL_CAPI=<abs path of libnixl_capi.so>`; without it they print
-//! SKIP and pass, so the crate tests everywhere.
+//! SKIP and pass, so the crate tests everywhere, unless `KVPUSH_REQUIRE_NIXL` is set (as CI
+//! sets it): then they fail.
 
-use kvpush_nixl::{Library, LoadError, CAPI_PATH_ENV, SYMBOLS};
+mod common;
 
-fn capi_path() -> Option<String> {
-    match std::env::var(CAPI_PATH_ENV) {
-        Ok(path) if !path.is_empty() => Some(path),
-        _ => {
-            eprintln!("SKIP: {CAPI_PATH_ENV} is not set (pip install nixl-cu12==1.5.1, then point it at .nixl_cu12.mesonpy.libs/libnixl_capi.so)");
-            None
-        }
-    }
-}
+use common::capi_path;
+use kvpush_nixl::{Library, LoadError, SYMBOLS};
 
 #[test]
 fn the_wheel_library_has_every_declared_symbol_and_is_not_a_stub() {

@@ -2,16 +2,19 @@
 //! notification; B receives it, and exactly the written bytes changed. Plus the errors a caller
 //! can cause.
 //!
-//! Needs `KVPUSH_NIXL_CAPI`; prints SKIP and passes without it. Run with `UCX_NET_DEVICES=lo`
+//! Needs `KVPUSH_NIXL_CAPI`; prints SKIP and passes without it (fails under
+//! `KVPUSH_REQUIRE_NIXL`, as in CI). Run with `UCX_NET_DEVICES=lo`
 //! (see the crate README). Both agents are progressed by whoever waits: every wait calls
 //! `take_notifications` on both, and every wait is bounded.
+
+mod common;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvpush_core::planner::DescriptorRun;
 use kvpush_core::transport::{MemoryRegion, MemorySpace, Notification, Transport, WriteState};
-use kvpush_nixl::{AgentConfig, Library, NixlTransport, Progress, CAPI_PATH_ENV};
+use kvpush_nixl::{AgentConfig, Library, NixlTransport, Progress};
 
 const BUF: usize = 8 << 20;
 const DEADLINE: Duration = Duration::from_secs(10);
@@ -31,11 +34,8 @@ impl<T, E: std::fmt::Display> OrPanic<T> for Result<T, E> {
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn library() -> Option<Library> {
-    if std::env::var_os(CAPI_PATH_ENV).is_none() {
-        eprintln!("SKIP: {CAPI_PATH_ENV} is not set; NIXL transport tests not run");
-        return None;
-    }
-    Some(Library::discover().unwrap_or_else(|e| panic!("{e}")))
+    let path = common::capi_path()?;
+    Some(Library::load(&path).unwrap_or_else(|e| panic!("{e}")))
 }
 
 /// A buffer whose pages are all touched (first-touch faults would otherwise land in the WRITE).
