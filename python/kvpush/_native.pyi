@@ -6,6 +6,47 @@ from typing import Any, Literal, final
 
 from kvpush.outcomes import Reason
 
+__all__ = [
+    "PROTOCOL_VERSION",
+    "REASON_CODES",
+    "Arrival",
+    "AuthenticationError",
+    "BusyError",
+    "Cancellation",
+    "ConfigError",
+    "Decoder",
+    "DuplicateReadyError",
+    "Encoder",
+    "Endpoint",
+    "Expired",
+    "FencedError",
+    "Finished",
+    "InvalidBlocksError",
+    "KvLayout",
+    "KvPushError",
+    "LayoutError",
+    "MalformedMessageError",
+    "MessageTooLargeError",
+    "NixlUnavailableError",
+    "NotMatchedError",
+    "Plan",
+    "PlanError",
+    "Planner",
+    "ProtocolError",
+    "Region",
+    "RendezvousError",
+    "RendezvousTable",
+    "StaleEpochError",
+    "TableFullError",
+    "TransferEvent",
+    "TransportError",
+    "UnhealthyError",
+    "__version__",
+    "canonical_request_id",
+    "frame_length",
+    "transfer_key",
+]
+
 __version__: str
 PROTOCOL_VERSION: int
 REASON_CODES: list[str]
@@ -22,7 +63,7 @@ def canonical_request_id(request_id: str) -> str:
 class Region:
     """One array of kernel blocks: block ``k`` starts at ``base + k * block_stride``."""
 
-    def __init__(self, base: int, block_stride: int, num_blocks: int, group: int = 0) -> None: ...
+    def __new__(cls, base: int, block_stride: int, num_blocks: int, group: int = 0) -> Region: ...
     @property
     def base(self) -> int: ...
     @property
@@ -36,8 +77,8 @@ class Region:
 class KvLayout:
     """One worker's KV cache: regions, block sizes, heads and byte order. Validated on creation."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         regions: Sequence[Region],
         *,
         block_tokens: int,
@@ -47,7 +88,7 @@ class KvLayout:
         token_order: Literal["NHD", "HND"] = "NHD",
         tp_rank: int = 0,
         tp_size: int = 1,
-    ) -> None: ...
+    ) -> KvLayout: ...
     @property
     def regions(self) -> list[Region]: ...
     @property
@@ -87,7 +128,7 @@ class Plan:
 class Planner:
     """Plans writes from one P rank's layout (source) into one D rank's layout (destination)."""
 
-    def __init__(self, src: KvLayout, dst: KvLayout) -> None: ...
+    def __new__(cls, src: KvLayout, dst: KvLayout) -> Planner: ...
     @property
     def writes_anything(self) -> bool:
         """False when the two ranks share no KV heads (nothing to write between them)."""
@@ -162,9 +203,9 @@ class RendezvousTable:
     """Thread-safe. Times are seconds on the table's own monotonic clock (``now()``); pass
     ``now=`` to drive it deterministically."""
 
-    def __init__(
-        self, *, shards: int = 64, max_entries: int = 65536, fence_ttl: float = 60.0
-    ) -> None: ...
+    def __new__(
+        cls, *, shards: int = 64, max_entries: int = 65536, fence_ttl: float = 60.0
+    ) -> RendezvousTable: ...
     def now(self) -> float: ...
     def register(
         self,
@@ -238,8 +279,8 @@ class Endpoint:
     workers on loopback, unless ``insecure`` opts out.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         engine_id: str,
         layout: KvLayout,
         *,
@@ -263,7 +304,7 @@ class Endpoint:
         delivery_bound: float | None = None,
         pp_rank: int = 0,
         pp_size: int = 1,
-    ) -> None: ...
+    ) -> Endpoint: ...
     @property
     def address(self) -> str: ...
     @property
@@ -324,14 +365,14 @@ class Endpoint:
 
 # --- kvpush/1 protocol ----------------------------------------------------------------------
 
-def frame_length(prefix: bytes, max_frame_bytes: int = ...) -> int | None:
+def frame_length(prefix: bytes, max_frame_bytes: int | None = None) -> int | None:
     """Total bytes of the frame ``prefix`` starts, or None while fewer than 4 bytes are known."""
 
 @final
 class Encoder:
     """Signs (with a secret) and frames messages; one per sender, safe to share across threads."""
 
-    def __init__(self, sender: str, secret: bytes | None = None) -> None: ...
+    def __new__(cls, sender: str, secret: bytes | None = None) -> Encoder: ...
     @property
     def sender(self) -> str: ...
     @property
@@ -344,14 +385,15 @@ class Encoder:
 class Decoder:
     """Verifies and decodes frames; keeps the replay windows of its peers."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         secret: bytes | None = None,
         *,
-        max_frame_bytes: int = ...,
-        max_block_ids: int = ...,
-        max_clock_skew: float = 30.0,
-    ) -> None: ...
+        max_frame_bytes: int | None = None,
+        max_block_ids: int | None = None,
+        max_clock_skew: float | None = None,
+    ) -> Decoder:
+        """``None`` takes the protocol's default limits (a clock skew of 30 s)."""
     def decode(self, frame: bytes, *, now_ms: int | None = None) -> dict[str, Any]:
         """``{"sender", "session", "seq", "ts_ms", "message": {"kind": ..., **fields}}``."""
 
