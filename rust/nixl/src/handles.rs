@@ -616,6 +616,10 @@ pub(crate) struct XferRequest {
 impl XferRequest {
     /// Posts the request. `Ok(true)`: complete already; `Ok(false)`: in progress.
     pub(crate) fn post(&mut self) -> Result<bool, NixlError> {
+        #[cfg(test)]
+        if faults::take(&faults::FAILED_POSTS) {
+            return Err(NixlError::new("post_xfer_req", Status::Backend, "injected"));
+        }
         // SAFETY: agent and request are alive; null opt args keeps the notification given at
         // creation (non-null args without a notification would drop it).
         let code = unsafe {
@@ -627,6 +631,10 @@ impl XferRequest {
     /// Polls the request (and sends its notification once the data is complete).
     /// `Ok(true)`: complete; `Ok(false)`: in progress.
     pub(crate) fn poll(&mut self) -> Result<bool, NixlError> {
+        #[cfg(test)]
+        if faults::take(&faults::FAILED_POLLS) {
+            return Err(NixlError::new("get_xfer_status", Status::Backend, "injected"));
+        }
         // SAFETY: agent and request are alive.
         let code = unsafe { (self.agent.api.get_xfer_status)(self.agent.raw(), self.raw.as_ptr()) };
         self.outcome("get_xfer_status", code)
@@ -652,6 +660,10 @@ impl XferRequest {
     fn try_release(&mut self) -> Result<(), NixlError> {
         if self.released {
             return Ok(());
+        }
+        #[cfg(test)]
+        if faults::take(&faults::REFUSED_RELEASES) {
+            return Err(NixlError::new("release_xfer_req", Status::Backend, "injected"));
         }
         // SAFETY: agent and request are alive and the request is not yet released.
         let code =
@@ -751,5 +763,36 @@ impl Drop for NotifMap {
     fn drop(&mut self) {
         // SAFETY: the map came from `create_notif_map` and is destroyed once.
         unsafe { (self.api.destroy_notif_map)(self.raw.as_ptr()) };
+    }
+}
+
+/// Failures a test injects into this thread's next calls (NIXL gives no way to make a real
+/// request fail, or its release be refused, on demand).
+#[cfg(test)]
+pub(crate) mod faults {
+    use std::cell::Cell;
+    use std::thread::LocalKey;
+
+    thread_local! {
+        /// Posts that fail (without posting).
+        pub(crate) static FAILED_POSTS: Cell<u32> = const { Cell::new(0) };
+        /// Polls that fail (without polling).
+        pub(crate) static FAILED_POLLS: Cell<u32> = const { Cell::new(0) };
+        /// Releases the backend refuses, as it does a request it cannot cancel.
+        pub(crate) static REFUSED_RELEASES: Cell<u32> = const { Cell::new(0) };
+    }
+
+    /// Injects `count` more of `fault`.
+    pub(crate) fn inject(fault: &'static LocalKey<Cell<u32>>, count: u32) {
+        fault.with(|left| left.set(left.get() + count));
+    }
+
+    /// Whether this call fails (one fewer left).
+    pub(super) fn take(fault: &'static LocalKey<Cell<u32>>) -> bool {
+        fault.with(|left| {
+            let failing = left.get() > 0;
+            left.set(left.get().saturating_sub(1));
+            failing
+        })
     }
 }

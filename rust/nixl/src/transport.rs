@@ -106,6 +106,14 @@ enum Pending {
         peer: Rc<str>,
         payload: Vec<u8>,
     },
+    /// A write that failed (its post, or a poll) and whose request the backend would not let
+    /// go: some of its operations may still be moving bytes. It stays in progress for the
+    /// writer, which therefore says nothing to D and keeps the blocks, until the backend
+    /// releases it; then the poll reports `error`.
+    Failing {
+        request: XferRequest,
+        error: NixlError,
+    },
 }
 
 /// A NIXL agent with a UCX backend, as the writer engine's [`Transport`].
@@ -193,6 +201,25 @@ impl NixlTransport {
             if let Err((request, _)) = request.release() {
                 self.stuck.push(request);
             }
+        }
+    }
+
+    /// A failed write whose request the backend held: in progress while it still holds it; its
+    /// failure once it let it go.
+    fn let_go_of_failing(&mut self, write: WriteId) -> Result<WriteState, TransportError> {
+        match self.writes.remove(&write) {
+            Some(Pending::Failing { request, error }) => match request.release() {
+                Ok(()) => Err(err("poll_write", error)),
+                Err((request, _)) => {
+                    self.writes.insert(write, Pending::Failing { request, error });
+                    Ok(WriteState::InProgress)
+                }
+            },
+            Some(other) => {
+                self.writes.insert(write, other);
+                Ok(WriteState::InProgress)
+            }
+            None => Err(TransportError::new("poll_write", format!("write {write:?} vanished"))),
         }
     }
 
@@ -319,7 +346,12 @@ impl Transport for NixlTransport {
             .map_err(|e| err(OP, e))?;
         if let Err(mut e) = request.post() {
             e.detail = format!("WRITE {id:?} of {} runs ({bytes} B) to peer {peer:?}", runs.len());
-            self.release(request);
+            if let Err((request, _)) = request.release() {
+                // Part of it may have been posted: a write in flight until NIXL lets it go.
+                self.next_write += 1;
+                self.writes.insert(id, Pending::Failing { request, error: e });
+                return Ok(id);
+            }
             return Err(err(OP, e));
         }
         self.next_write += 1;
@@ -340,6 +372,7 @@ impl Transport for NixlTransport {
             }
             Some(Pending::Write { request, .. }) => request.poll(),
             Some(Pending::NotifyOnly { .. }) => Ok(true),
+            Some(Pending::Failing { .. }) => return self.let_go_of_failing(write),
         };
         if let Ok(false) = polled {
             return Ok(WriteState::InProgress);
@@ -359,8 +392,19 @@ impl Transport for NixlTransport {
             }
             (Pending::Write { request, peer, runs, bytes }, Err(mut e)) => {
                 e.detail = format!("WRITE {write:?} of {runs} runs ({bytes} B) to peer {peer:?}");
-                self.release(request);
-                Err(err(OP, e))
+                match request.release() {
+                    Ok(()) => Err(err(OP, e)),
+                    Err((request, _)) => {
+                        // Failed, but not finished: see `Pending::Failing`.
+                        self.writes.insert(write, Pending::Failing { request, error: e });
+                        Ok(WriteState::InProgress)
+                    }
+                }
+            }
+            (Pending::Failing { request, error }, _) => {
+                // Not reached (a failing write is let go of above); kept whole if it were.
+                self.writes.insert(write, Pending::Failing { request, error });
+                Ok(WriteState::InProgress)
             }
         }
     }
@@ -376,5 +420,107 @@ impl Transport for NixlTransport {
         self.agent
             .take_notifications(&mut self.notifs, out)
             .map_err(|e| err("take_notifications", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! A failed WRITE whose request the backend will not release stays in flight: the writer
+    //! must say nothing to D while some of it may still move. On the wheel's library (these
+    //! tests skip without `KVPUSH_NIXL_CAPI`, and fail under `KVPUSH_REQUIRE_NIXL`), with the
+    //! failures injected (`handles::faults`).
+
+    use super::*;
+    use crate::api::CAPI_PATH_ENV;
+    use crate::handles::faults::{self, FAILED_POLLS, FAILED_POSTS, REFUSED_RELEASES};
+
+    const LEN: usize = 1 << 20;
+
+    /// One pair of agents at a time (two cores; each test's agents are progressed by it).
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn library() -> Option<Library> {
+        match Library::discover() {
+            Ok(library) => Some(library),
+            Err(error) if std::env::var_os("KVPUSH_REQUIRE_NIXL").is_some() => {
+                panic!("KVPUSH_REQUIRE_NIXL is set and NIXL did not load: {error}")
+            }
+            Err(error) => {
+                eprintln!("SKIP: {CAPI_PATH_ENV}: {error}");
+                None
+            }
+        }
+    }
+
+    fn region(buf: &[u8]) -> MemoryRegion {
+        MemoryRegion { addr: buf.as_ptr() as u64, len: buf.len() as u64, space: MemorySpace::DRAM }
+    }
+
+    /// A posts one WRITE of `src` into `dst` to B; returns A, B and the write.
+    fn post(
+        library: &Library,
+        tag: &str,
+        src: &[u8],
+        dst: &[u8],
+    ) -> (NixlTransport, NixlTransport, Result<WriteId, TransportError>) {
+        let config = AgentConfig::default();
+        let mut a = NixlTransport::new(library, &format!("{tag}-A"), &config).unwrap();
+        let mut b = NixlTransport::new(library, &format!("{tag}-B"), &config).unwrap();
+        // SAFETY: both buffers outlive both agents (the callers drop the agents first).
+        unsafe {
+            a.register_memory(&[region(src)]).unwrap();
+            b.register_memory(&[region(dst)]).unwrap();
+        }
+        let b_md = b.metadata().unwrap();
+        let peer = a.add_peer(&b_md).unwrap();
+        let run =
+            DescriptorRun { src: src.as_ptr() as u64, dst: dst.as_ptr() as u64, len: LEN as u64 };
+        let posted =
+            a.post_write(&peer, &[run], MemorySpace::DRAM, MemorySpace::DRAM, b"done".as_slice());
+        (a, b, posted)
+    }
+
+    #[test]
+    fn a_failed_write_the_backend_holds_on_to_is_in_flight_until_it_lets_go() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(library) = library() else { return };
+        let (src, dst) = (vec![7u8; LEN], vec![0u8; LEN]);
+        let (mut a, b, posted) = post(&library, "failing-poll", &src, &dst);
+        let write = posted.unwrap();
+        faults::inject(&FAILED_POLLS, 1);
+        faults::inject(&REFUSED_RELEASES, 2);
+        // Failed, and held: in progress while the backend keeps the request.
+        assert_eq!(a.poll_write(write).unwrap(), WriteState::InProgress);
+        assert_eq!(a.poll_write(write).unwrap(), WriteState::InProgress);
+        assert_eq!(a.writes_in_flight(), 1);
+        // Let go of: now its failure, once.
+        let error = a.poll_write(write).unwrap_err();
+        assert!(error.to_string().contains("get_xfer_status returned"), "{error}");
+        assert_eq!(a.writes_in_flight(), 0);
+        assert!(a.poll_write(write).is_err(), "a finished write is unknown");
+        drop((a, b));
+    }
+
+    #[test]
+    fn a_failed_post_the_backend_holds_on_to_is_a_write_in_flight() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(library) = library() else { return };
+        let (src, dst) = (vec![7u8; LEN], vec![0u8; LEN]);
+        faults::inject(&FAILED_POSTS, 1);
+        faults::inject(&REFUSED_RELEASES, 1);
+        let (mut a, b, posted) = post(&library, "failing-post", &src, &dst);
+        let write = posted.expect("a post the backend held is reported as a write in flight");
+        assert_eq!(a.writes_in_flight(), 1);
+        let error = a.poll_write(write).unwrap_err();
+        assert!(error.to_string().contains("post_xfer_req returned"), "{error}");
+        assert_eq!(a.writes_in_flight(), 0);
+        // Released at once: the post's failure itself.
+        faults::inject(&FAILED_POSTS, 1);
+        let run = DescriptorRun { src: src.as_ptr() as u64, dst: dst.as_ptr() as u64, len: 8 };
+        let peer = b.name().to_owned();
+        let refused = a.post_write(&peer, &[run], MemorySpace::DRAM, MemorySpace::DRAM, b"x");
+        assert!(refused.is_err());
+        assert_eq!(a.writes_in_flight(), 0);
+        drop((a, b));
     }
 }
