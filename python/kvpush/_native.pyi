@@ -44,6 +44,7 @@ __all__ = [
     "__version__",
     "canonical_request_id",
     "frame_length",
+    "tp_sources",
     "transfer_key",
 ]
 
@@ -56,6 +57,20 @@ def transfer_key(request_id: str, transfer_id: str | None = None) -> str:
 
 def canonical_request_id(request_id: str) -> str:
     """A vLLM request id without its front-end prefix and per-engine random suffix."""
+
+def tp_sources(
+    tp_rank: int,
+    tp_size: int,
+    kv_heads: int,
+    p_tp_size: int,
+    *,
+    total_kv_heads: int | None = None,
+    mla: bool = False,
+    slices_heads: bool = True,
+) -> tuple[list[int], tuple[int, int] | None]:
+    """Which of P's ``p_tp_size`` ranks hold the KV heads of D rank ``tp_rank`` of ``tp_size``
+    (``kv_heads`` on the rank), and ``(slot, of)`` when one P rank writes into ``of`` D ranks.
+    Raises ``LayoutError`` when the sizes cannot exchange KV."""
 
 # --- layouts and planning -------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 import kvpush
+from kvpush._native import tp_sources
 from kvpush.exceptions import LayoutError
 
 #: vLLM's ``KVCacheLayout`` members (``vllm/v1/kv_cache_layout.py``): for each, the physical
@@ -350,48 +351,24 @@ class Sources:
 
 
 def sources_of(model: Model, cache: CacheLayout, p_tp: int) -> Sources:
-    """Which of P's ``p_tp`` ranks hold this D rank's KV heads.
+    """Which of P's ``p_tp`` ranks hold this D rank's KV heads (the core's arithmetic, which
+    D's receive path checks P against: ``kvpush._native.tp_sources``).
 
     Equal sizes pair rank with rank. P larger: every P rank holding some of D's heads writes
     them (one DONE each). D larger: the one P rank holding D's heads writes into each of its D
     ranks, which then names its share. MLA's latent is on every rank: one P rank per D rank.
     Raises :class:`LayoutError` when the two sizes cannot exchange KV.
     """
-    d_rank, d_tp = model.tp_rank, model.tp_size
-    if p_tp < 1:
-        raise LayoutError(f"P's tensor parallel size {p_tp} must be at least 1")
-    if p_tp == d_tp:
-        return Sources((d_rank,))
-    if model.use_mla:
-        if p_tp > d_tp:
-            return Sources((d_rank,))
-        if d_tp % p_tp:
-            raise LayoutError(
-                f"P runs tensor parallel size {p_tp} and D {d_tp}: with MLA, D's size must be a "
-                "multiple of P's"
-            )
-        return Sources((d_rank % p_tp,), (d_rank // p_tp, d_tp // p_tp))
-    if not cache.slices_heads:
-        raise LayoutError(
-            f"P runs tensor parallel size {p_tp} and D {d_tp}, but this KV cache layout does "
-            "not keep a block's heads apart, so they cannot be split between ranks; run P and "
-            "D with the same --tensor-parallel-size (or an HND layout: VLLM_KV_CACHE_LAYOUT="
-            "LBHNC)"
-        )
-    total = model.total_kv_heads or model.kv_heads * d_tp
-    if total != model.kv_heads * d_tp or total % p_tp:
-        raise LayoutError(
-            f"P runs tensor parallel size {p_tp} and D {d_tp} over {total} KV heads: one of "
-            "them replicates heads across ranks, which kvpush pairs only at equal sizes"
-        )
-    mine = range(d_rank * model.kv_heads, (d_rank + 1) * model.kv_heads)
-    per_p = total // p_tp
-    if p_tp > d_tp:
-        return Sources(tuple(range(mine.start // per_p, (mine.stop - 1) // per_p + 1)))
-    p_rank = mine.start // per_p
-    return Sources(
-        (p_rank,), ((mine.start - p_rank * per_p) // model.kv_heads, per_p // model.kv_heads)
+    ranks, share = tp_sources(
+        model.tp_rank,
+        model.tp_size,
+        model.kv_heads,
+        p_tp,
+        total_kv_heads=model.total_kv_heads or None,
+        mla=model.use_mla,
+        slices_heads=cache.slices_heads,
     )
+    return Sources(tuple(ranks), share)
 
 
 @dataclass(frozen=True)

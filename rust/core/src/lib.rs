@@ -4,6 +4,7 @@
 //! * [`rendezvous`]: the table where D's registration meets P's finished KV;
 //! * [`layout`] and [`planner`]: KV cache layouts and the (src, dst, len) runs to write;
 //! * [`protocol`]: the kvpush/1 control messages, their codec and authentication;
+//! * [`topology`]: which P ranks hold a D rank's KV heads (different tensor parallel sizes);
 //! * [`transport`]: the data path the writer drives (NIXL in `kvpush-nixl`, or [`loopback`]);
 //! * [`side_channel`]: each worker's TCP endpoint for kvpush/1 frames;
 //! * [`endpoint`]: one worker's push endpoint: the table, the side channel and the writer thread.
@@ -24,6 +25,7 @@ pub mod rendezvous;
 #[cfg(not(loom))]
 pub mod side_channel;
 mod sync;
+pub mod topology;
 pub mod transport;
 
 pub use key::{canonical_request_id, TransferKey};

@@ -287,6 +287,11 @@ impl From<Error> for PyErr {
     }
 }
 
+/// A `LayoutError` for tensor parallel sizes that cannot exchange KV.
+pub(crate) fn topology_error(error: kvpush_core::topology::TopologyError) -> PyErr {
+    Python::attach(|py| raise(py.get_type::<LayoutError>().unbind(), &error, "tp_mismatch", &[]))
+}
+
 /// A `LayoutError` for a layout that failed validation before any planner saw it.
 pub(crate) fn layout_error(error: kvpush_core::layout::LayoutError) -> PyErr {
     Python::attach(|py| raise(py.get_type::<LayoutError>().unbind(), &error, "invalid_layout", &[]))

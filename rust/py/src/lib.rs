@@ -13,6 +13,7 @@ mod errors;
 mod native;
 mod planner;
 mod table;
+mod topology;
 
 /// The transfer key P and D both derive for a request: `transfer_id` when given, else the
 /// request id without vLLM's per-engine suffix and front-end prefix.
@@ -34,6 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_function(wrap_pyfunction!(transfer_key, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_request_id, m)?)?;
+    m.add_function(wrap_pyfunction!(topology::tp_sources, m)?)?;
     m.add_class::<planner::Region>()?;
     m.add_class::<planner::KvLayout>()?;
     m.add_class::<planner::Planner>()?;

@@ -239,14 +239,7 @@ pub struct Expectation {
     pub share: Option<Share>,
 }
 
-/// Which of the D ranks that one P rank writes a transfer into this one is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Share {
-    /// This rank's slot, below `of`.
-    pub slot: u32,
-    /// How many D ranks the P rank writes into.
-    pub of: u32,
-}
+pub use crate::topology::Share;
 
 /// What [`Endpoint::abort`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

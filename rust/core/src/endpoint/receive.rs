@@ -51,6 +51,7 @@ use crate::protocol::{
 };
 use crate::rendezvous::Epoch;
 use crate::side_channel::{PeerId, PeerInfo};
+use crate::topology;
 use crate::transport::{Notification, Transport};
 
 use super::awaited::{Awaited, LegState, Stop};
@@ -449,10 +450,7 @@ impl<T: Transport> Writer<T> {
         if theirs > ours {
             // One P rank holds the heads of several D ranks: this one must be its share.
             let share = awaited.expectation.share.unwrap_or(Share { slot: 0, of: 1 });
-            let expected = Share {
-                slot: u32::try_from((mine.start - p.heads.start) / ours).unwrap_or(u32::MAX),
-                of: u32::try_from(theirs / ours).unwrap_or(u32::MAX),
-            };
+            let expected = topology::share_of(&mine, &p.heads);
             return (share != expected).then(|| {
                 format!(
                     "{label} holds KV heads {:?}, the heads of {} D ranks; this rank (heads \
@@ -461,8 +459,8 @@ impl<T: Transport> Writer<T> {
                 )
             });
         }
-        let per_rank = theirs.max(1);
-        let needed = (mine.end - 1) / per_rank - mine.start / per_rank + 1;
+        let holding = topology::p_ranks_holding(&mine, theirs);
+        let needed = holding.end - holding.start;
         let named = awaited.legs.len() as u64;
         (needed != named).then(|| {
             format!(
