@@ -462,16 +462,23 @@ def thread_names(pid: int) -> dict[int, str]:
     return names
 
 
-def thread_named(pid: int, name: str) -> int:
-    """Process ``pid``'s one thread named ``name`` (compared as far as the kernel keeps names);
-    LookupError, naming the threads there are, when there is none or more than one."""
-    names = thread_names(pid)
-    found = [tid for tid, comm in names.items() if comm == name[:THREAD_NAME_CHARS]]
-    if len(found) != 1:
-        raise LookupError(
-            f"process {pid} has {len(found)} threads named {name!r}: {sorted(names.values())}"
-        )
-    return found[0]
+def thread_named(pid: int, name: str, wait: float = 10.0) -> int:
+    """Process ``pid``'s one thread named ``name`` (compared as far as the kernel keeps names),
+    waiting up to ``wait`` seconds for it: a thread takes its name when it first runs, which a
+    starved machine can put off for seconds after its spawn. LookupError, naming the threads
+    there are, when there is still none or more than one."""
+    deadline = time.monotonic() + wait
+    while True:
+        names = thread_names(pid)
+        found = [tid for tid, comm in names.items() if comm == name[:THREAD_NAME_CHARS]]
+        if len(found) == 1:
+            return found[0]
+        if time.monotonic() >= deadline:
+            raise LookupError(
+                f"process {pid} has {len(found)} threads named {name!r} after {wait:.0f}s: "
+                f"{sorted(names.values())}"
+            )
+        time.sleep(0.01)
 
 
 def thread_state(pid: int, tid: int) -> str:
