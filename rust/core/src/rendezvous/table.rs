@@ -117,106 +117,21 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             self.settle(&mut shard, taken.key, taken.kind, taken.state, now);
             return Err(RendezvousError::Foreign { key });
         }
-        let stale = |current| Err(RendezvousError::StaleEpoch { key: key.clone(), epoch, current });
+        let incoming = Incoming { key: &key, epoch, registration, deadline };
         let (state, result) = match taken.state {
-            State::Registered {
-                epoch: current,
-                owner,
-                registration: old,
-                deadline: old_deadline,
-            } => {
-                if epoch > current {
-                    let superseded = Some(old);
-                    (
-                        State::Registered { epoch, owner, registration, deadline },
-                        Ok(Arrival::Waiting { superseded }),
-                    )
-                } else {
-                    (
-                        State::Registered {
-                            epoch: current,
-                            owner,
-                            registration: old,
-                            deadline: old_deadline,
-                        },
-                        stale(current),
-                    )
-                }
+            State::Registered { epoch: current, owner, registration, deadline } => {
+                incoming.reregister_waiting(current, owner, registration, deadline)
             }
-            State::Ready { ready, deadline: ready_deadline } => {
-                let matched = Match { key: key.clone(), epoch, registration, ready: ready.clone() };
-                let state = State::Matched {
-                    epoch,
-                    owner,
-                    ready,
-                    ready_deadline,
-                    registration_deadline: deadline,
-                };
-                (state, Ok(Arrival::Matched(matched)))
-            }
+            State::Ready { ready, deadline } => incoming.match_ready(owner, ready, deadline),
             State::Matched {
                 epoch: current,
                 owner,
                 ready,
                 ready_deadline,
                 registration_deadline,
-            } => {
-                if epoch > current {
-                    // The old match's holder has not begun (the entry would be in flight), so
-                    // re-matching now cannot race a write; its begin_write will be refused.
-                    let matched =
-                        Match { key: key.clone(), epoch, registration, ready: ready.clone() };
-                    let state = State::Matched {
-                        epoch,
-                        owner,
-                        ready,
-                        ready_deadline,
-                        registration_deadline: deadline,
-                    };
-                    (state, Ok(Arrival::Matched(matched)))
-                } else {
-                    let state = State::Matched {
-                        epoch: current,
-                        owner,
-                        ready,
-                        ready_deadline,
-                        registration_deadline,
-                    };
-                    (state, stale(current))
-                }
-            }
+            } => incoming.rematch(current, owner, ready, ready_deadline, registration_deadline),
             State::InFlight { epoch: writing, owner, ready, ready_deadline, after, ack_owed } => {
-                let (after, result) = match after {
-                    AfterWrite::Cancelled => {
-                        let reason = FenceReason::Cancelled;
-                        (
-                            AfterWrite::Cancelled,
-                            Err(RendezvousError::Fenced { key: key.clone(), reason }),
-                        )
-                    }
-                    AfterWrite::End if epoch > writing => {
-                        let after = AfterWrite::Rematch { epoch, registration, deadline };
-                        (after, Ok(Arrival::Waiting { superseded: None }))
-                    }
-                    AfterWrite::End => (AfterWrite::End, stale(writing)),
-                    AfterWrite::Rematch {
-                        epoch: current,
-                        registration: old,
-                        deadline: old_deadline,
-                    } => {
-                        if epoch > current {
-                            let after = AfterWrite::Rematch { epoch, registration, deadline };
-                            (after, Ok(Arrival::Waiting { superseded: Some(old) }))
-                        } else {
-                            let after = AfterWrite::Rematch {
-                                epoch: current,
-                                registration: old,
-                                deadline: old_deadline,
-                            };
-                            (after, stale(current))
-                        }
-                    }
-                };
+                let (after, result) = incoming.register_during_write(writing, after);
                 let state = State::InFlight {
                     epoch: writing,
                     owner,
@@ -227,13 +142,18 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 };
                 (state, result)
             }
-            State::Fenced { reason, until } => (
-                State::Fenced { reason, until },
-                Err(RendezvousError::Fenced { key: key.clone(), reason }),
-            ),
+            State::Fenced { reason, until } => {
+                (State::Fenced { reason, until }, incoming.refuse_fenced(reason))
+            }
         };
         self.settle(&mut shard, taken.key, taken.kind, state, now);
-        result
+        drop(shard);
+        result.map_err(|Refused { error, registration }| {
+            // The caller's value (a Python object in the bindings): dropped now that the shard
+            // is unlocked, never under its lock.
+            drop(registration);
+            error
+        })
     }
 
     /// P's KV for `key` is ready: what to write, held until `deadline`.
@@ -784,6 +704,142 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             expired.push(Expired { key: transfer, registration, ready, was_matched });
         }
         true
+    }
+}
+
+/// A registration arriving for a key the table holds. What becomes of it depends on what the key
+/// holds: one method for each state, each returning the key's next state and the answer.
+struct Incoming<'k, R> {
+    key: &'k TransferKey,
+    epoch: Epoch,
+    registration: R,
+    deadline: Instant,
+}
+
+/// A registration the table refused, handed back with the reason so that it is dropped after the
+/// shard's lock is released, not under it.
+struct Refused<R> {
+    error: RendezvousError,
+    registration: R,
+}
+
+/// The answer to an [`Incoming`] registration; a refusal carries the registration back.
+type Answer<R, K> = Result<Arrival<R, K>, Refused<R>>;
+
+impl<R> Incoming<'_, R> {
+    /// The key holds an unmatched registration at `current`: a higher epoch supersedes it.
+    fn reregister_waiting<K>(
+        self,
+        current: Epoch,
+        owner: Owner,
+        waiting: R,
+        waiting_deadline: Instant,
+    ) -> (State<R, K>, Answer<R, K>) {
+        if self.epoch > current {
+            let Self { epoch, registration, deadline, .. } = self;
+            let state = State::Registered { epoch, owner, registration, deadline };
+            (state, Ok(Arrival::Waiting { superseded: Some(waiting) }))
+        } else {
+            let state = State::Registered {
+                epoch: current,
+                owner,
+                registration: waiting,
+                deadline: waiting_deadline,
+            };
+            (state, self.refuse_stale(current))
+        }
+    }
+
+    /// The key holds P's ready KV: this registration is its match.
+    fn match_ready<K: Clone>(
+        self,
+        owner: Owner,
+        ready: K,
+        ready_deadline: Instant,
+    ) -> (State<R, K>, Answer<R, K>) {
+        let Self { key, epoch, registration, deadline } = self;
+        let matched = Match { key: key.clone(), epoch, registration, ready: ready.clone() };
+        let state =
+            State::Matched { epoch, owner, ready, ready_deadline, registration_deadline: deadline };
+        (state, Ok(Arrival::Matched(matched)))
+    }
+
+    /// The key was matched at `current` and the write has not begun: a higher epoch is matched
+    /// in its place.
+    fn rematch<K: Clone>(
+        self,
+        current: Epoch,
+        owner: Owner,
+        ready: K,
+        ready_deadline: Instant,
+        registration_deadline: Instant,
+    ) -> (State<R, K>, Answer<R, K>) {
+        if self.epoch > current {
+            // The old match's holder has not begun (the entry would be in flight), so re-matching
+            // now cannot race a write; its begin_write will be refused.
+            self.match_ready(owner, ready, ready_deadline)
+        } else {
+            let state = State::Matched {
+                epoch: current,
+                owner,
+                ready,
+                ready_deadline,
+                registration_deadline,
+            };
+            (state, self.refuse_stale(current))
+        }
+    }
+
+    /// The key is being written at `writing`, to be followed by `after`: a higher epoch than the
+    /// newest the key holds waits for the write to finish, which matches it. The write itself is
+    /// untouched, so only what follows it changes.
+    fn register_during_write<K>(
+        self,
+        writing: Epoch,
+        after: AfterWrite<R>,
+    ) -> (AfterWrite<R>, Answer<R, K>) {
+        match after {
+            AfterWrite::Cancelled => {
+                (AfterWrite::Cancelled, self.refuse_fenced(FenceReason::Cancelled))
+            }
+            AfterWrite::End if self.epoch > writing => {
+                let Self { epoch, registration, deadline, .. } = self;
+                let after = AfterWrite::Rematch { epoch, registration, deadline };
+                (after, Ok(Arrival::Waiting { superseded: None }))
+            }
+            AfterWrite::End => (AfterWrite::End, self.refuse_stale(writing)),
+            AfterWrite::Rematch {
+                epoch: current,
+                registration: waiting,
+                deadline: waiting_deadline,
+            } => {
+                if self.epoch > current {
+                    let Self { epoch, registration, deadline, .. } = self;
+                    let after = AfterWrite::Rematch { epoch, registration, deadline };
+                    (after, Ok(Arrival::Waiting { superseded: Some(waiting) }))
+                } else {
+                    let after = AfterWrite::Rematch {
+                        epoch: current,
+                        registration: waiting,
+                        deadline: waiting_deadline,
+                    };
+                    (after, self.refuse_stale(current))
+                }
+            }
+        }
+    }
+
+    /// Refuses this registration: the key holds `current`, which is not below its epoch.
+    fn refuse_stale<K>(self, current: Epoch) -> Answer<R, K> {
+        let error =
+            RendezvousError::StaleEpoch { key: self.key.clone(), epoch: self.epoch, current };
+        Err(Refused { error, registration: self.registration })
+    }
+
+    /// Refuses this registration: the key ended (or is ending) for `reason`.
+    fn refuse_fenced<K>(self, reason: FenceReason) -> Answer<R, K> {
+        let error = RendezvousError::Fenced { key: self.key.clone(), reason };
+        Err(Refused { error, registration: self.registration })
     }
 }
 
