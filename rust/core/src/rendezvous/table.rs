@@ -332,7 +332,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         owner: Option<Owner>,
         now: Instant,
     ) -> Cancelled<R, K> {
-        let covers = |current: Epoch| epoch.is_none_or(|epoch| epoch >= current);
+        let covers = |current| cancel_covers(epoch, current);
         let (hash, mut shard) = self.shard(key);
         let Some(taken) = self.take(&mut shard, hash, key, now) else {
             if owner.is_none() {
@@ -365,20 +365,8 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 (self.fence_from(FenceReason::Cancelled, now), removed)
             }
             State::InFlight { epoch: writing, owner, ready, ready_deadline, after, ack_owed } => {
-                let current = match &after {
-                    AfterWrite::Rematch { epoch, .. } => *epoch,
-                    AfterWrite::End | AfterWrite::Cancelled => writing,
-                };
-                let already_cancelled = matches!(after, AfterWrite::Cancelled);
-                let (after, ack_owed, result) = if already_cancelled || covers(current) {
-                    // The whole transfer ends; a waiting re-registration is covered by the one
-                    // acknowledgement D gets at finish, so it is dropped.
-                    (AfterWrite::Cancelled, true, Cancelled::Deferred)
-                } else if epoch == Some(writing) {
-                    (after, true, Cancelled::Deferred)
-                } else {
-                    (after, ack_owed, Cancelled::NotFound)
-                };
+                let (after, ack_owed, result) =
+                    cancel_during_write(epoch, writing, after, ack_owed);
                 let state = State::InFlight {
                     epoch: writing,
                     owner,
@@ -840,6 +828,37 @@ impl<R> Incoming<'_, R> {
     fn refuse_fenced<K>(self, reason: FenceReason) -> Answer<R, K> {
         let error = RendezvousError::Fenced { key: self.key.clone(), reason };
         Err(Refused { error, registration: self.registration })
+    }
+}
+
+/// Whether a cancel at `cancel` (`None`: whatever epoch) cancels a transfer whose newest
+/// registration is at `current`.
+fn cancel_covers(cancel: Option<Epoch>, current: Epoch) -> bool {
+    cancel.is_none_or(|cancel| cancel >= current)
+}
+
+/// A cancel at `cancel` of a key being written at `writing`, to be followed by `after`: what
+/// follows the write instead, whether `finish` owes D an acknowledgement, and the answer now.
+/// The write itself is never stopped, so a cancel that covers it is deferred to `finish`.
+fn cancel_during_write<R, K>(
+    cancel: Option<Epoch>,
+    writing: Epoch,
+    after: AfterWrite<R>,
+    ack_owed: bool,
+) -> (AfterWrite<R>, bool, Cancelled<R, K>) {
+    let current = match &after {
+        AfterWrite::Rematch { epoch, .. } => *epoch,
+        AfterWrite::End | AfterWrite::Cancelled => writing,
+    };
+    let already_cancelled = matches!(after, AfterWrite::Cancelled);
+    if already_cancelled || cancel_covers(cancel, current) {
+        // The whole transfer ends; a waiting re-registration is covered by the one
+        // acknowledgement D gets at finish, so it is dropped.
+        (AfterWrite::Cancelled, true, Cancelled::Deferred)
+    } else if cancel == Some(writing) {
+        (after, true, Cancelled::Deferred)
+    } else {
+        (after, ack_owed, Cancelled::NotFound)
     }
 }
 
