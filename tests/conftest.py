@@ -5,39 +5,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 
 import pytest
 
-import kvpush
-
-HEADS = 2
-HEAD_BYTES = 8
-
-
-def make_layout(
-    block_tokens: int,
-    num_blocks: int,
-    regions: int = 4,
-    *,
-    heads: int = HEADS,
-    order: str = "NHD",
-    tp: tuple[int, int] = (0, 1),
-    base: int = 0,
-) -> kvpush.KvLayout:
-    """`regions` back-to-back regions of `num_blocks` blocks each, starting at `base`."""
-    block_bytes = block_tokens * heads * HEAD_BYTES
-    return kvpush.KvLayout(
-        [
-            kvpush.Region(base + i * num_blocks * block_bytes, block_bytes, num_blocks)
-            for i in range(regions)
-        ],
-        block_tokens=block_tokens,
-        heads=heads,
-        head_bytes=HEAD_BYTES,
-        token_order=order,  # type: ignore[arg-type]
-        tp_rank=tp[0],
-        tp_size=tp[1],
-    )
+from tests.support.fake_http import Fake, Respond
 
 
 @pytest.fixture
@@ -45,15 +17,17 @@ def secret() -> bytes:
     return b"kvpush-test-secret-0123456789abcdef"
 
 
-def nixl_or_skip() -> None:
-    """Skips a test that needs NIXL's wheel, unless ``KVPUSH_REQUIRE_NIXL`` makes that a failure
-    (as ``scripts/dev test`` does: there NIXL is installed, and a skip would hide a break)."""
-    try:
-        kvpush.nixl.library_path()
-    except kvpush.exceptions.NixlUnavailableError as error:
-        if os.environ.get("KVPUSH_REQUIRE_NIXL"):
-            raise
-        pytest.skip(f"NIXL is not installed: {error}")
+@pytest.fixture
+def fakes() -> Iterator[Callable[[Respond], Fake]]:
+    made: list[Fake] = []
+
+    def make(respond: Respond) -> Fake:
+        made.append(Fake(respond))
+        return made[-1]
+
+    yield make
+    for fake in made:
+        fake.stop()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

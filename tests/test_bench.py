@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import nixl_or_skip
+from tests.support.nixl import nixl_or_skip
 
 
 def test_bench_transfer_runs_and_prints_both_rows_and_ratios() -> None:

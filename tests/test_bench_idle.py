@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvpush_lab.bench import idle, report
-from tests.conftest import nixl_or_skip
+from tests.support.nixl import nixl_or_skip
 
 
 def test_thread_accounting_sees_this_thread_spin() -> None:

@@ -43,9 +43,7 @@ from kvpush_lab.bench.serving_result import (
     ServingConfig,
     ServingResult,
 )
-from tests.test_proxy import Fake, FakeHandler, Received, Respond, answer, fakes
-
-__all__ = ["fakes"]  # the fixture, imported for pytest
+from tests.support.fake_http import Fake, FakeHandler, Received, Respond, answer
 
 # --- schedules and prompts ---------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import nixl_or_skip
+from tests.support.nixl import nixl_or_skip
 
 
 def bench(*args: str) -> subprocess.CompletedProcess[str]:

@@ -30,8 +30,7 @@ from typing import Any, TypeVar
 import pytest
 
 from kvpush_lab.peer import CacheShape, RemoteWorker, Request, Worker
-from tests.conftest import nixl_or_skip
-from tests.faults import (
+from tests.support.faults import (
     LOOPBACK,
     Bounds,
     Direction,
@@ -53,7 +52,8 @@ from tests.faults import (
     unread_tcp_bytes,
     wait_for,
 )
-from tests.test_transfer import P_SHAPE, TRANSPORTS, Pair, make_requests
+from tests.support.nixl import nixl_or_skip
+from tests.support.pair import P_SHAPE, TRANSPORTS, Pair, make_requests
 
 SECRET = b"shared-secret-of-the-fault-pair"
 HEARTBEAT_INTERVAL = 0.2

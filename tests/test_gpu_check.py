@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import nixl_or_skip
+from tests.support.nixl import nixl_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_torch = pytest.mark.skipif(

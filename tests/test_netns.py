@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from kvpush_lab.peer import NETNS_ENV, CacheShape, RemoteWorker, Request
-from tests.conftest import nixl_or_skip
-from tests.faults import Bounds, Outcomes, TimedFault, fenced_through, wait_for
-from tests.test_transfer import P_SEED, make_requests
+from tests.support.faults import Bounds, Outcomes, TimedFault, fenced_through, wait_for
+from tests.support.nixl import nixl_or_skip
+from tests.support.pair import P_SEED, make_requests
 
 SECRET = b"shared-secret-of-the-netns-pair"
 PEER_TIMEOUT = 2.0

@@ -8,7 +8,7 @@ import pytest
 
 import kvpush
 from kvpush.exceptions import InvalidBlocksError, KvPushError, LayoutError, PlanError
-from tests.conftest import HEAD_BYTES, HEADS, make_layout
+from tests.support.layouts import HEAD_BYTES, HEADS, make_layout
 
 
 def apply(plan: kvpush.Plan, src: bytes, dst: bytearray) -> None:

@@ -1,11 +1,12 @@
-"""A short soak (tests/soak.py) in CI, so that the long one (scripts/dev soak) keeps working."""
+"""A short soak (tests/support/soak.py) in CI, so that the long one (scripts/dev soak) keeps
+working."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import nixl_or_skip
-from tests.soak import main
+from tests.support.nixl import nixl_or_skip
+from tests.support.soak import main
 
 
 def test_a_short_soak_ends_every_transfer_once_and_leaves_nothing(

@@ -39,7 +39,7 @@ from kvpush.vllm._layout import NULL_BLOCK, CacheGroups, Model, views_by_group
 from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import PushWorker, WorkerConfig
 from kvpush_lab.peer import RemoteWorker
-from tests.conftest import nixl_or_skip
+from tests.support.nixl import nixl_or_skip
 
 pytestmark = pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")
 

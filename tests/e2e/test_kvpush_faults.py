@@ -39,8 +39,7 @@ from tests.e2e.harness import (
     push_completion,
     running,
 )
-from tests.e2e.test_kvpush_pair import kvpush_config, kvpush_env
-from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
+from tests.e2e.pairs import greedy_body, kvpush_config, kvpush_env, prompt_token_ids
 
 pytestmark = ON_VLLM
 

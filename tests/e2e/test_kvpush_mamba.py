@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.harness import ON_VLLM, VllmServer, completion_token_ids, running
-from tests.e2e.test_kvpush_pair import kvpush_config, kvpush_env
-from tests.e2e.test_upstream_smoke import MAX_TOKENS, greedy_body, prompt_token_ids
+from tests.e2e.pairs import MAX_TOKENS, greedy_body, kvpush_config, kvpush_env, prompt_token_ids
 
 pytestmark = ON_VLLM
 

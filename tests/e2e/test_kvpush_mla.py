@@ -39,16 +39,17 @@ import pytest
 
 from kvpush_lab.servers import metric_value
 from tests.e2e.harness import ON_VLLM, VllmServer, completion_logprobs
-from tests.e2e.test_kvpush_pair import (
+from tests.e2e.pairs import (
     Pair,
     assert_concurrent,
     assert_same,
     behind_proxy,
+    greedy_body,
     kvpush_config,
     kvpush_env,
+    prompt_token_ids,
     single_answers,
 )
-from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
 
 pytestmark = ON_VLLM
 

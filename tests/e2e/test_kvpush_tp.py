@@ -27,15 +27,15 @@ import pytest
 
 from kvpush_lab.servers import metric_value
 from tests.e2e.harness import ON_VLLM, VllmServer
-from tests.e2e.test_kvpush_pair import (
+from tests.e2e.pairs import (
     Pair,
     assert_sequential,
     behind_proxy,
     kvpush_config,
     kvpush_env,
+    prompt_token_ids,
     single_answers,
 )
-from tests.e2e.test_upstream_smoke import prompt_token_ids
 
 pytestmark = ON_VLLM
 

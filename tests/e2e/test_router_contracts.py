@@ -37,6 +37,13 @@ import pytest
 
 from kvpush_lab.servers import HOST, free_port, metric_value
 from tests.e2e.harness import ON_VLLM, VllmServer, running
+from tests.e2e.pairs import (
+    assert_same,
+    greedy_body,
+    kvpush_servers,
+    prompt_token_ids,
+    single_answers,
+)
 from tests.e2e.routers import (
     JSON,
     LegError,
@@ -44,12 +51,6 @@ from tests.e2e.routers import (
     Routed,
     VllmPushDemoProxy,
 )
-from tests.e2e.test_kvpush_pair import (
-    assert_same,
-    kvpush_servers,
-    single_answers,
-)
-from tests.e2e.test_upstream_smoke import greedy_body, prompt_token_ids
 
 pytestmark = ON_VLLM
 

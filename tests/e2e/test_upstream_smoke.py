@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +40,13 @@ from tests.e2e.harness import (
     push_completion,
     running,
 )
+from tests.e2e.pairs import (
+    LOGPROB_TOLERANCE,
+    MAX_TOKENS,
+    PREFILL_ENGINE_ID,
+    greedy_body,
+    prompt_token_ids,
+)
 
 pytestmark = [
     pytest.mark.e2e,
@@ -51,29 +57,7 @@ pytestmark = [
 ]
 
 PROMPT_LENGTHS = (300, 1000)
-MAX_TOKENS = 8
-LOGPROB_TOLERANCE = 1e-3
-PREFILL_ENGINE_ID = "kvpush-e2e-prefill"
 CONNECTOR = os.environ.get("KVPUSH_E2E_UPSTREAM_CONNECTOR", "NixlConnector")
-
-
-def prompt_token_ids(length: int, vocab: int, seed: int) -> list[int]:
-    """A prompt of random ordinary token ids (0-2 are the tokenizer's special tokens)."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(length)]
-
-
-def greedy_body(model: Path, prompt: list[int]) -> dict[str, object]:
-    return {
-        "model": str(model),
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "skip_special_tokens": False,
-        "return_token_ids": True,
-        "logprobs": 1,
-    }
 
 
 @pytest.fixture(scope="module")

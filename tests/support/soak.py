@@ -7,8 +7,8 @@ resident memory is flat: it grew less than ``--rss-slack-mib`` over the last two
 run. (The first third is warm-up: an ended transfer's key stays fenced for a minute, so P's
 table fills to its cap of fences before its memory levels off.)
 
-    .venv/bin/python -m tests.soak --minutes 10          # the long run (README: scripts/dev soak)
-    .venv/bin/python -m tests.soak --minutes 0.3 --concurrency 300   # a quick look
+    .venv/bin/python -m tests.support.soak --minutes 10     # the long run (scripts/dev soak)
+    .venv/bin/python -m tests.support.soak --minutes 0.3 --concurrency 300   # a quick look
 
 ``tests/test_soak.py`` runs a short soak in CI so this keeps working.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush_lab.peer import CacheShape, RemoteWorker, Request
-from tests.faults import rss_bytes
+from tests.support.faults import rss_bytes
 
 SHAPE = CacheShape(layers=2, num_blocks=8192, block_tokens=16)
 SECRET = b"shared-secret-of-the-soak-pair"
