@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.support.fake_http import Fake, Respond
+from tests.support.fake_http import fakes
+
+__all__ = ["fakes"]  # the fixture, for every test under tests/
 
 
 @pytest.fixture
@@ -17,23 +18,11 @@ def secret() -> bytes:
     return b"kvpush-test-secret-0123456789abcdef"
 
 
-@pytest.fixture
-def fakes() -> Iterator[Callable[[Respond], Fake]]:
-    made: list[Fake] = []
-
-    def make(respond: Respond) -> Fake:
-        made.append(Fake(respond))
-        return made[-1]
-
-    yield make
-    for fake in made:
-        fake.stop()
-
-
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The fault matrix's table (time to each side's outcome, canary), when it ran: the rows of
-    tests/test_faults.py, then tests/test_netns.py's."""
-    modules = (sys.modules.get(name) for name in ("tests.test_faults", "tests.test_netns"))
+    tests/two_process/test_faults.py, then tests/two_process/test_netns.py's."""
+    names = ("tests.two_process.test_faults", "tests.two_process.test_netns")
+    modules = (sys.modules.get(name) for name in names)
     rows = [row for module in modules for row in getattr(module, "REPORT", [])]
     if not rows:
         return

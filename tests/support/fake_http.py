@@ -1,6 +1,6 @@
 """Fake P and D servers for the router's tests: each records what arrives and answers with a
 ``Respond`` function (JSON, a stream, a hold). The ``fakes`` fixture (``tests/conftest.py``)
-makes them and stops them after the test."""
+(here; conftests import it) makes them and stops them after the test."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import json
 import select
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import pytest
 
 JSON = dict[str, Any]
 
@@ -126,3 +128,16 @@ def answer(status: int, payload: JSON) -> Respond:
         handler.send_json(status, payload)
 
     return respond
+
+
+@pytest.fixture
+def fakes() -> Iterator[Callable[[Respond], Fake]]:
+    made: list[Fake] = []
+
+    def make(respond: Respond) -> Fake:
+        made.append(Fake(respond))
+        return made[-1]
+
+    yield make
+    for fake in made:
+        fake.stop()

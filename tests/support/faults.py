@@ -878,8 +878,8 @@ def silent_prefixes(
 # ---- the fence through a fault -----------------------------------------------------------------
 #
 # One transfer under one fault: both sides' events taken as they come and timed from the fault,
-# D's whole cache watched from its final failure, then the verdict (tests/test_faults.py's
-# section "a WRITE in flight when P stops" states the terms).
+# D's whole cache watched from its final failure, then the verdict (the section "a WRITE in
+# flight when P stops" of tests/two_process/test_faults.py states the terms).
 
 
 class FenceBrokenError(AssertionError):

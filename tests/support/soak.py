@@ -10,7 +10,7 @@ table fills to its cap of fences before its memory levels off.)
     .venv/bin/python -m tests.support.soak --minutes 10     # the long run (scripts/dev soak)
     .venv/bin/python -m tests.support.soak --minutes 0.3 --concurrency 300   # a quick look
 
-``tests/test_soak.py`` runs a short soak in CI so this keeps working.
+``tests/two_process/test_soak.py`` runs a short soak in CI so this keeps working.
 """
 
 from __future__ import annotations

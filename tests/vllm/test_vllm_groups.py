@@ -272,7 +272,8 @@ class GroupsWorker:
 
 def spawn(role: str, backend_name: str, block_size: int, seed: int) -> Any:
     return RemoteWorker(
-        env={"UCX_NET_DEVICES": "lo"},  # NIXL over UCX on loopback, as tests/test_transfer.py
+        # NIXL over UCX on loopback, as tests/two_process/test_transfer.py
+        env={"UCX_NET_DEVICES": "lo"},
         worker_class=GroupsWorker,
         role=role,
         backend_name=backend_name,

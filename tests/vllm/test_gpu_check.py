@@ -24,7 +24,7 @@ import pytest
 
 from tests.support.nixl import nixl_or_skip
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 needs_torch = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None, reason="torch is not installed"
 )
@@ -164,7 +164,7 @@ def test_the_caches_are_the_views_vllms_allocation_makes() -> None:
             )
         layout = KVCacheLayout[case.layout]
         names = [f"model.layers.{i}.self_attn.attn" for i in range(case.layers)]
-        # The attributes get_kv_cache_config_from_groups reads (as tests/test_vllm_layouts.py).
+        # The attributes get_kv_cache_config_from_groups reads (as tests/vllm/test_vllm_layouts.py).
         vllm_config = SimpleNamespace(
             attention_config=SimpleNamespace(hisparse_config=None),
             cache_config=SimpleNamespace(

@@ -3,11 +3,11 @@ NIXL over UCX's TCP transport between them, and the link cut while D waits for i
 hosts joined by two links, the side channel on one and NIXL's WRITEs on the other, one of them
 cut under a WRITE while the other stays up.
 
-The property is the fault matrix's (tests/test_faults.py): no byte lands in D's cache after D
-reported the receive failed, here also after the link comes back, when whatever the kernel
-still held for the dead connection may be retransmitted. Needs root and iproute2 (CI runs as
-root); where namespaces cannot be made the tests skip and say so, and the relay-based partitions
-of tests/test_faults.py cover the property on loopback.
+The property is the fault matrix's (tests/two_process/test_faults.py): no byte lands in D's cache
+after D reported the receive failed, here also after the link comes back, when whatever the kernel
+still held for the dead connection may be retransmitted. Needs root and iproute2 (CI runs as root);
+where namespaces cannot be made the tests skip and say so, and the relay-based partitions of
+tests/two_process/test_faults.py cover the property on loopback.
 """
 
 from __future__ import annotations
@@ -126,7 +126,9 @@ def namespaces(veths: int) -> Iterator[Hosts]:
     retransmissions cut to ``TCP_RETRIES`` in both; removed on leaving. Skips the test where
     namespaces cannot be made."""
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root; tests/test_faults.py's relay covers this")
+        pytest.skip(
+            "network namespaces need root; tests/two_process/test_faults.py's relay covers this"
+        )
     n = os.getpid() % 10_000
     subnet = n % 250
     veth_list = [
@@ -162,7 +164,7 @@ def namespaces(veths: int) -> Iterator[Hosts]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         detail = getattr(error, "stderr", "") or error
         pytest.skip(
-            f"cannot make network namespaces here ({detail}); tests/test_faults.py's "
+            f"cannot make network namespaces here ({detail}); tests/two_process/test_faults.py's "
             "relay-based partitions cover the property"
         )
     try:
@@ -307,11 +309,11 @@ def test_a_cut_link_lands_nothing_after_d_fails_even_once_healed(
 # ---- one link cut, the other up ----------------------------------------------------------------
 #
 # Issue 16, on two links: the side channel on one, the WRITEs on the other, and one of them cut
-# under a WRITE that a throttled data link keeps going for seconds. The terms are the fault
-# matrix's for a WRITE in flight (tests/test_faults.py): at most one ``quarantined`` notice, then
+# under a WRITE that a throttled data link keeps going for seconds. The terms are the fault matrix's
+# for a WRITE in flight (tests/two_process/test_faults.py): at most one ``quarantined`` notice, then
 # one final event; no byte lands after a final failure; D's first event within its bound (peer
-# timeout + P's horizon) + 1 s of the cut, its final one within that again of the heal, P's
-# send event within its own (write timeout + 1 s margin) + 1 s of the cut (P runs throughout).
+# timeout + P's horizon) + 1 s of the cut, its final one within that again of the heal, P's send
+# event within its own (write timeout + 1 s margin) + 1 s of the cut (P runs throughout).
 # The link is healed as soon as D reports, and the throttle lifted: what is left of the WRITE
 # then moves at once, so that whatever the kernel and UCX still hold shows.
 

@@ -1,0 +1,1 @@
+"""Tests of kvpush alone: no NIXL, no second process, no vLLM."""
