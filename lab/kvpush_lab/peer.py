@@ -303,7 +303,7 @@ class Worker:
 
 
 #: A worker process whose environment names a network namespace (``ip netns`` name) enters it
-#: before anything opens a socket: P and D then run as two hosts (tests/test_netns.py).
+#: before anything opens a socket: P and D then run as two hosts (tests/two_process/test_netns.py).
 NETNS_ENV = "KVPUSH_TEST_NETNS"
 
 
