@@ -140,21 +140,23 @@ impl Fabric {
 impl Lab {
     /// P's data path to D was cut and heals now: held bytes get through after TCP's backoff,
     /// unless they were held past the delivery bound: then TCP gave up, and they are lost with
-    /// everything behind them. With nothing held, TCP has nothing to back off for: what is sent
-    /// from now on goes at once.
+    /// everything behind them. With nothing held (nothing was, or TCP gave up on all of it: new
+    /// bytes go on a new connection), TCP has nothing to back off for: what is sent from now on
+    /// goes at once. (Bytes sent after the heal are then never held past the bound: they wait
+    /// at most for the backoff of bytes that themselves arrive within theirs.)
     pub(super) fn data_path_healed(&mut self, backoff: Duration) {
         let now = self.now();
-        let held = self.fabric.wire.values().any(|wire| !wire.is_empty());
-        let resume = if held { now + backoff } else { now };
-        self.fabric.resume = resume;
+        let retransmit = now + backoff;
         let bound = self.fabric.delivery_bound;
         let mut lost = Vec::new();
         for (&incarnation, wire) in &mut self.fabric.wire {
-            if wire.iter().any(|item| item.sent + bound < resume.max(item.arrive)) {
+            if wire.iter().any(|item| item.sent + bound < retransmit.max(item.arrive)) {
                 lost.push((incarnation, wire.len()));
                 wire.clear();
             }
         }
+        let held = self.fabric.wire.values().any(|wire| !wire.is_empty());
+        self.fabric.resume = if held { retransmit } else { now };
         for (incarnation, items) in lost {
             for (&(i, _), w) in &mut self.fabric.writes {
                 if i == incarnation && w.landed < w.chunks.len() && w.status != Status::Done {

@@ -36,6 +36,10 @@
 //!   on a new connection and P had answered that it held nothing: P now drops a registration
 //!   from a connection its D has since replaced.
 //!
+//! It also found one bug of its own model (a WRITE sent after TCP had given up on a partition
+//! waited out that partition's backoff, landing past the delivery bound the model promises);
+//! `tests` keeps that seed too.
+//!
 //! Modelling what NIXL does rather than what it might: a WRITE over TCP is done once its bytes
 //! landed (NIXL flushes the endpoint after the data), and D's `take_notifications` unpacks
 //! everything that arrived (NIXL's `getNotifs` progresses UCX until nothing is left to do).

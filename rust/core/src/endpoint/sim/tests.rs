@@ -55,3 +55,13 @@ fn seed_418181000885_a_failed_writes_last_bytes_land_before_d_hands_its_blocks_b
 fn seed_418344182972_a_register_on_a_replaced_connection_is_never_written() {
     keeps_the_fence(418_344_182_972);
 }
+
+/// The model's own bug, not the endpoint's: after a partition on which TCP gave up (every held
+/// byte lost), the data path still waited out TCP's backoff, so a WRITE sent after the heal
+/// landed 1.3 s after it left P, past the delivery bound the model promises (bytes arrive within
+/// it or are lost), and so after D's final failure. New bytes after TCP gave up go on a new
+/// connection, at once.
+#[test]
+fn seed_427180299053_bytes_sent_after_tcp_gave_up_wait_for_no_backoff() {
+    keeps_the_fence(427_180_299_053);
+}
