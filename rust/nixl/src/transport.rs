@@ -204,22 +204,22 @@ impl NixlTransport {
         }
     }
 
-    /// A failed write whose request the backend held: in progress while it still holds it; its
-    /// failure once it let it go.
-    fn let_go_of_failing(&mut self, write: WriteId) -> Result<WriteState, TransportError> {
-        match self.writes.remove(&write) {
-            Some(Pending::Failing { request, error }) => match request.release() {
-                Ok(()) => Err(err("poll_write", error)),
-                Err((request, _)) => {
-                    self.writes.insert(write, Pending::Failing { request, error });
-                    Ok(WriteState::InProgress)
-                }
-            },
-            Some(other) => {
-                self.writes.insert(write, other);
+    /// `request` (write `write`) failed with `error`: `error` once the backend let go of the
+    /// request; until then the write stays in flight, as `Pending::Failing` (some of its
+    /// operations may still move bytes), and a later poll tries the release again.
+    fn fail_once_released(
+        &mut self,
+        operation: &'static str,
+        write: WriteId,
+        request: XferRequest,
+        error: NixlError,
+    ) -> Result<WriteState, TransportError> {
+        match request.release() {
+            Ok(()) => Err(err(operation, error)),
+            Err((request, _)) => {
+                self.writes.insert(write, Pending::Failing { request, error });
                 Ok(WriteState::InProgress)
             }
-            None => Err(TransportError::new("poll_write", format!("write {write:?} vanished"))),
         }
     }
 
@@ -346,13 +346,10 @@ impl Transport for NixlTransport {
             .map_err(|e| err(OP, e))?;
         if let Err(mut e) = request.post() {
             e.detail = format!("WRITE {id:?} of {} runs ({bytes} B) to peer {peer:?}", runs.len());
-            if let Err((request, _)) = request.release() {
-                // Part of it may have been posted: a write in flight until NIXL lets it go.
-                self.next_write += 1;
-                self.writes.insert(id, Pending::Failing { request, error: e });
-                return Ok(id);
-            }
-            return Err(err(OP, e));
+            // Part of it may have been posted: a write in flight until NIXL lets it go.
+            self.fail_once_released(OP, id, request, e)?;
+            self.next_write += 1;
+            return Ok(id);
         }
         self.next_write += 1;
         self.writes
@@ -372,7 +369,8 @@ impl Transport for NixlTransport {
             }
             Some(Pending::Write { request, .. }) => request.poll(),
             Some(Pending::NotifyOnly { .. }) => Ok(true),
-            Some(Pending::Failing { .. }) => return self.let_go_of_failing(write),
+            // Failed already: only its release is left to try.
+            Some(Pending::Failing { .. }) => Ok(true),
         };
         if let Ok(false) = polled {
             return Ok(WriteState::InProgress);
@@ -392,19 +390,10 @@ impl Transport for NixlTransport {
             }
             (Pending::Write { request, peer, runs, bytes }, Err(mut e)) => {
                 e.detail = format!("WRITE {write:?} of {runs} runs ({bytes} B) to peer {peer:?}");
-                match request.release() {
-                    Ok(()) => Err(err(OP, e)),
-                    Err((request, _)) => {
-                        // Failed, but not finished: see `Pending::Failing`.
-                        self.writes.insert(write, Pending::Failing { request, error: e });
-                        Ok(WriteState::InProgress)
-                    }
-                }
+                self.fail_once_released(OP, write, request, e)
             }
             (Pending::Failing { request, error }, _) => {
-                // Not reached (a failing write is let go of above); kept whole if it were.
-                self.writes.insert(write, Pending::Failing { request, error });
-                Ok(WriteState::InProgress)
+                self.fail_once_released(OP, write, request, error)
             }
         }
     }
@@ -442,7 +431,9 @@ mod tests {
     fn library() -> Option<Library> {
         match Library::discover() {
             Ok(library) => Some(library),
-            Err(error) if std::env::var_os("KVPUSH_REQUIRE_NIXL").is_some() => {
+            Err(error)
+                if std::env::var_os("KVPUSH_REQUIRE_NIXL").is_some_and(|v| !v.is_empty()) =>
+            {
                 panic!("KVPUSH_REQUIRE_NIXL is set and NIXL did not load: {error}")
             }
             Err(error) => {
