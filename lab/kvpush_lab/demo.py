@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 import kvpush
+from kvpush._native import lab
 from kvpush.exceptions import KvPushError
 
 HEADS = 2
@@ -111,10 +112,10 @@ def run_demo(
     p.memory[:] = rng.randbytes(len(p.memory))  # P's computed KV
     expected = bytearray(len(d.memory))  # D's memory as a per-token copy says it must end up
 
-    planner = kvpush.Planner(p.layout, d.layout)
-    table = kvpush.RendezvousTable()
-    d_encoder, p_decoder = kvpush.Encoder("decode-0", key), kvpush.Decoder(key)
-    p_encoder, d_decoder = kvpush.Encoder("prefill-0", key), kvpush.Decoder(key)
+    planner = lab.Planner(p.layout, d.layout)
+    table = lab.RendezvousTable()
+    d_encoder, p_decoder = lab.Encoder("decode-0", key), lab.Decoder(key)
+    p_encoder, d_decoder = lab.Encoder("prefill-0", key), lab.Decoder(key)
 
     _say(out, f"kvpush {kvpush.__version__} demo: core walkthrough in one process")
     _say(
@@ -148,15 +149,15 @@ def run_demo(
             "ttl_ms": int(TTL_S * 1000),
         }
 
-        def arrive_registration(frame: bytes = d_encoder.encode(register)) -> kvpush.Arrival:
+        def arrive_registration(frame: bytes = d_encoder.encode(register)) -> lab.Arrival:
             reg = p_decoder.decode(frame)["message"]
             return table.register(reg["transfer_key"], reg["epoch"], reg, ttl=TTL_S)
 
-        def arrive_ready(blocks: list[int] = p_blocks, rid: str = request) -> kvpush.Arrival:
+        def arrive_ready(blocks: list[int] = p_blocks, rid: str = request) -> lab.Arrival:
             return table.ready(f"{rid}-{rng.getrandbits(32):08x}", blocks, ttl=TTL_S)
 
-        first: Callable[[], kvpush.Arrival]
-        second: Callable[[], kvpush.Arrival]
+        first: Callable[[], lab.Arrival]
+        second: Callable[[], lab.Arrival]
         order = rng.choice(["reg-first", "kv-first"])
         first, second = (
             (arrive_registration, arrive_ready)
@@ -234,12 +235,12 @@ def run_demo(
 
 
 def _show_refusals(
-    out: TextIO, planner: kvpush.Planner, d_blocks_limit: int, secret: bytes | None
+    out: TextIO, planner: lab.Planner, d_blocks_limit: int, secret: bytes | None
 ) -> bool:
     """Each bad input is refused with an error that names the request and the value."""
     _say(out, "\nrefusals (each must raise, with a reason):")
-    table = kvpush.RendezvousTable()
-    encoder, decoder = kvpush.Encoder("decode-0", secret), kvpush.Decoder(secret)
+    table = lab.RendezvousTable()
+    encoder, decoder = lab.Encoder("decode-0", secret), lab.Decoder(secret)
     frame = encoder.encode(
         {"kind": "cancel", "transfer_key": "abc", "request_id": "abc-1", "epoch": 1}
     )

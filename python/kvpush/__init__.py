@@ -1,62 +1,87 @@
 """kvpush: push-based KV-cache transfer for disaggregated prefill/decode serving.
 
-The public API is re-exported here from the native core (``kvpush._native``, private):
+The public API, typed, from the native core (``kvpush._native``, private):
 
-* :class:`RendezvousTable`: where D's registration meets P's finished KV;
-* :class:`KvLayout`, :class:`Region`, :class:`Planner`, :class:`Plan`: block ids to byte runs;
-* :class:`Encoder`, :class:`Decoder`: the kvpush/1 control messages (``docs/protocol.md``);
-* :class:`Endpoint`, :class:`TransferEvent`: a worker's push endpoint (side channel, table and
-  native writer thread over NIXL or the in-process loopback);
+* :class:`Endpoint`, :class:`EndpointOptions`: a worker's push endpoint (side channel,
+  rendezvous table and native writer thread over NIXL or the in-process loopback) and how it
+  runs;
+* :class:`TransferEvent`, :class:`Timeline`: how one request's transfer ended, and when each of
+  its steps happened;
+* :class:`Role`, :class:`Outcome`, :class:`Reason`, :class:`AbortOutcome`: the codes an event
+  and ``Endpoint.abort`` carry (each member equals its stable code, ``"done"`` and so on);
+* :class:`KvLayout`, :class:`Region`: where a worker's KV cache lives;
 * :func:`transfer_key`, :func:`canonical_request_id`: how P and D name one request;
-* :class:`Reason` (:mod:`kvpush.outcomes`): why a transfer ended without its KV, as a code;
-* :mod:`kvpush.exceptions`: the error hierarchy.
+* :mod:`kvpush.exceptions`: the error hierarchy; :mod:`kvpush.nixl`: finding NIXL's library.
 
-Importing kvpush never imports vLLM.
+The rendezvous table, the planner and the protocol's codec are bound for kvpush's lab and tests
+only, in ``kvpush._native.lab``. Importing kvpush never imports vLLM.
 """
+
+import sys
+from typing import TYPE_CHECKING, Any
 
 from kvpush import exceptions, nixl
 from kvpush._native import (
     PROTOCOL_VERSION,
-    Arrival,
-    Cancellation,
-    Decoder,
-    Encoder,
-    Endpoint,
-    Expired,
-    Finished,
+    AbortOutcome,
+    EndpointOptions,
     KvLayout,
-    Plan,
-    Planner,
+    Outcome,
+    Reason,
     Region,
-    RendezvousTable,
+    Role,
+    Timeline,
     TransferEvent,
     __version__,
     canonical_request_id,
-    frame_length,
+    lab,
     transfer_key,
 )
-from kvpush.outcomes import Reason
+from kvpush.endpoint import Endpoint
+
+# ``import kvpush._native.lab`` finds the native submodule.
+sys.modules.setdefault("kvpush._native.lab", lab)
 
 __all__ = [
     "PROTOCOL_VERSION",
-    "Arrival",
-    "Cancellation",
-    "Decoder",
-    "Encoder",
+    "AbortOutcome",
     "Endpoint",
-    "Expired",
-    "Finished",
+    "EndpointOptions",
     "KvLayout",
-    "Plan",
-    "Planner",
+    "Outcome",
     "Reason",
     "Region",
-    "RendezvousTable",
+    "Role",
+    "Timeline",
     "TransferEvent",
     "__version__",
     "canonical_request_id",
     "exceptions",
-    "frame_length",
     "nixl",
     "transfer_key",
 ]
+
+#: Names that were exported here before they moved to ``kvpush._native.lab`` (they serve the lab
+#: and the tests, not a serving engine); still reachable as attributes, never in ``__all__``.
+_MOVED_TO_LAB = frozenset(
+    {
+        "Arrival",
+        "Cancellation",
+        "Decoder",
+        "Encoder",
+        "Expired",
+        "Finished",
+        "Plan",
+        "Planner",
+        "RendezvousTable",
+        "frame_length",
+    }
+)
+
+
+if not TYPE_CHECKING:  # typed code imports them from kvpush._native.lab
+
+    def __getattr__(name: str) -> Any:
+        if name in _MOVED_TO_LAB:
+            return getattr(lab, name)
+        raise AttributeError(f"module 'kvpush' has no attribute {name!r}")

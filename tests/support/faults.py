@@ -24,7 +24,7 @@ from typing import Any, Literal, TypeVar
 
 import psutil
 
-import kvpush
+from kvpush._native import lab
 from kvpush_lab.peer import RemoteWorker
 
 LOOPBACK = "127.0.0.1"
@@ -735,7 +735,7 @@ class Answer:
 
     def replies(self, secret: bytes | None) -> list[dict[str, Any]]:
         """The messages ``received`` holds, decoded (``{"kind": "error", "code": ...}``)."""
-        decoder = kvpush.Decoder(secret)
+        decoder = lab.Decoder(secret)
         out, rest = [], self.received
         while len(rest) >= 4:
             length = 4 + struct.unpack(">I", rest[:4])[0]

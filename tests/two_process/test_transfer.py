@@ -316,7 +316,9 @@ def test_poll_does_not_wait_for_another_threads_wait() -> None:
         (request,) = make_requests(random.Random(31), 1, "poll")
         endpoint.ready(request.request_id, [list(request.p_blocks)], request.tokens, ttl=0.05)
         thread.join(10.0)
-        assert [(e.request_id, e.outcome) for e in waited] == [(request.request_id, "cancelled")]
+        assert [(e.request_id, e.outcome) for e in waited] == [
+            (request.request_id, kvpush.Outcome.CANCELLED)
+        ]
     finally:
         thread.join(10.0)
         pair.close()
@@ -373,17 +375,22 @@ def test_a_gpu_cache_is_registered_as_vram_and_a_transport_unable_to_reach_it_is
         p_worker.close()
 
 
-def test_every_reason_code_is_an_enum_member_on_both_sides() -> None:
-    """The native core's reason codes and ``kvpush.Reason`` are one list; events carry members."""
-    assert {r.value for r in kvpush.Reason} == set(kvpush._native.REASON_CODES)
+def test_events_and_aborts_carry_the_enums_own_members() -> None:
+    """An event's role, outcome and code, and abort's answer, are the classes' own members
+    (``is`` holds), each equal to its stable code."""
     pair = Pair("loopback", None, None)
     try:
         (request,) = make_requests(random.Random(32), 1, "code")
         pair.d.expect(pair.source, [request])
         wait_until_registered(pair)
-        assert pair.p.abort(request) == "released"
+        assert pair.p.abort(request) is kvpush.AbortOutcome.RELEASED
         (event,) = pair.d.endpoint.wait(10.0)
         assert event.code is kvpush.Reason.ABORTED
+        assert event.outcome is kvpush.Outcome.FAILED
+        assert event.role is kvpush.Role.RECEIVE
+        # Each equal to its code too, which code written against strings relies on.
         assert event.outcome == "failed"
+        assert event.code == "aborted"
+        assert event.role == "receive"
     finally:
         pair.close()

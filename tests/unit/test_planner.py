@@ -7,11 +7,12 @@ import random
 import pytest
 
 import kvpush
+from kvpush._native import lab
 from kvpush.exceptions import InvalidBlocksError, KvPushError, LayoutError, PlanError
 from tests.support.layouts import HEAD_BYTES, HEADS, make_layout
 
 
-def apply(plan: kvpush.Plan, src: bytes, dst: bytearray) -> None:
+def apply(plan: lab.Plan, src: bytes, dst: bytearray) -> None:
     for s, d, n in plan.runs():
         dst[d : d + n] = src[s : s + n]
 
@@ -41,7 +42,7 @@ def test_every_token_lands_where_d_expects_and_nothing_else_changes(
     dst = bytearray(b"\xee" * (4 * 64 * d_block * HEADS * HEAD_BYTES))
     expected = bytearray(dst)
 
-    plan = kvpush.Planner(src_layout, dst_layout).plan("req-1", num_tokens, [p_blocks], [d_blocks])
+    plan = lab.Planner(src_layout, dst_layout).plan("req-1", num_tokens, [p_blocks], [d_blocks])
     apply(plan, src, dst)
 
     token_bytes = HEADS * HEAD_BYTES
@@ -55,7 +56,7 @@ def test_every_token_lands_where_d_expects_and_nothing_else_changes(
 
 
 def test_contiguous_blocks_merge_into_one_run_per_region() -> None:
-    planner = kvpush.Planner(make_layout(16, 64), make_layout(16, 64))
+    planner = lab.Planner(make_layout(16, 64), make_layout(16, 64))
     plan = planner.plan("req-merge", 16 * 10, list(range(10)), list(range(20, 30)))
     assert len(plan) == 4
     assert plan.unmerged_runs == 40
@@ -66,7 +67,7 @@ def test_contiguous_blocks_merge_into_one_run_per_region() -> None:
 
 
 def test_prefix_hit_on_d_writes_only_the_uncached_suffix() -> None:
-    planner = kvpush.Planner(make_layout(16, 64, regions=1), make_layout(16, 64, regions=1))
+    planner = lab.Planner(make_layout(16, 64, regions=1), make_layout(16, 64, regions=1))
     plan = planner.plan("req-prefix", 64, [[0, 1, 2, 3]], [[10, 11]], dst_first_tokens=[32])
     token_bytes = HEADS * HEAD_BYTES
     assert plan.bytes == 32 * token_bytes
@@ -79,8 +80,8 @@ def test_hnd_head_slicing_between_tp_sizes() -> None:
     p0 = make_layout(16, 8, regions=1, heads=1, order="HND", tp=(0, 2))
     p1 = make_layout(16, 8, regions=1, heads=1, order="HND", tp=(1, 2))
     head_block = 16 * HEAD_BYTES
-    run0 = kvpush.Planner(p0, d).plan("req-tp", 16, [[3]], [[5]]).runs()
-    run1 = kvpush.Planner(p1, d).plan("req-tp", 16, [[3]], [[5]]).runs()
+    run0 = lab.Planner(p0, d).plan("req-tp", 16, [[3]], [[5]]).runs()
+    run1 = lab.Planner(p1, d).plan("req-tp", 16, [[3]], [[5]]).runs()
     d_block = 5 * 2 * head_block
     assert run0 == [(3 * head_block, d_block, head_block)]
     assert run1 == [(3 * head_block, d_block + head_block, head_block)]
@@ -90,7 +91,7 @@ def test_nhd_cannot_split_heads_between_tp_sizes() -> None:
     d = make_layout(16, 8, heads=2, tp=(0, 1))
     p = make_layout(16, 8, heads=1, tp=(0, 2))
     with pytest.raises(LayoutError, match="HND") as caught:
-        kvpush.Planner(p, d)
+        lab.Planner(p, d)
     assert caught.value.code == "incompatible_layouts"
 
 
@@ -106,7 +107,7 @@ def test_nhd_cannot_split_heads_between_tp_sizes() -> None:
 def test_bad_peer_input_is_refused_naming_request_and_value(
     d_blocks: list[list[int]], code: str, text: str
 ) -> None:
-    planner = kvpush.Planner(make_layout(16, 64), make_layout(16, 64))
+    planner = lab.Planner(make_layout(16, 64), make_layout(16, 64))
     with pytest.raises(InvalidBlocksError, match=text) as caught:
         planner.plan("req-bad", 20, [[7, 8]], d_blocks)
     error = caught.value

@@ -12,6 +12,7 @@ import msgpack
 import pytest
 
 import kvpush
+from kvpush._native import lab
 from kvpush.exceptions import (
     AuthenticationError,
     MalformedMessageError,
@@ -52,7 +53,7 @@ def mac_input(env: dict[str, Any]) -> bytes:
 
 
 def test_messages_round_trip(secret: bytes) -> None:
-    encoder, decoder = kvpush.Encoder("decode-0", secret), kvpush.Decoder(secret)
+    encoder, decoder = lab.Encoder("decode-0", secret), lab.Decoder(secret)
     envelope = decoder.decode(encoder.encode(REGISTER))
     # A register without a fan-out (an older peer's) is for one D rank; without a nonce, none.
     assert envelope["message"] == {**REGISTER, "fanout": 1, "nonce": 0}
@@ -62,10 +63,10 @@ def test_messages_round_trip(secret: bytes) -> None:
 
 
 def test_frame_is_plain_msgpack_with_the_documented_mac(secret: bytes) -> None:
-    frame = kvpush.Encoder("decode-0", secret).encode(REGISTER, now_ms=1_700_000_000_000)
+    frame = lab.Encoder("decode-0", secret).encode(REGISTER, now_ms=1_700_000_000_000)
     (length,) = struct.unpack(">I", frame[:4])
     assert length == len(frame) - 4
-    assert kvpush.frame_length(frame[:4]) == len(frame)
+    assert lab.frame_length(frame[:4]) == len(frame)
     env = msgpack.unpackb(frame[4:], raw=False)
     assert env["version"] == kvpush.PROTOCOL_VERSION
     assert env["kind"] == "register"
@@ -89,15 +90,15 @@ def test_a_python_peer_following_the_docs_is_accepted(secret: bytes) -> None:
     }
     env["mac"] = hmac.new(secret, mac_input(env), hashlib.sha256).digest()
     packed = msgpack.packb(env)
-    message = kvpush.Decoder(secret).decode(
+    message = lab.Decoder(secret).decode(
         struct.pack(">I", len(packed)) + packed, now_ms=1_700_000_000_500
     )["message"]
     assert message == {"kind": "cancel", "transfer_key": "k", "request_id": "r", "epoch": 1}
 
 
 def test_forged_replayed_and_unsigned_frames_are_refused(secret: bytes) -> None:
-    frame = kvpush.Encoder("decode-0", secret).encode(REGISTER)
-    decoder = kvpush.Decoder(secret)
+    frame = lab.Encoder("decode-0", secret).encode(REGISTER)
+    decoder = lab.Decoder(secret)
     forged = bytearray(frame)
     forged[len(forged) // 2] ^= 0x40
     with pytest.raises(ProtocolError) as caught:
@@ -107,29 +108,29 @@ def test_forged_replayed_and_unsigned_frames_are_refused(secret: bytes) -> None:
     with pytest.raises(AuthenticationError, match="replay") as replay:
         decoder.decode(frame)
     assert replay.value.code == "replayed"
-    unsigned = kvpush.Encoder("decode-0").encode(REGISTER)
+    unsigned = lab.Encoder("decode-0").encode(REGISTER)
     with pytest.raises(AuthenticationError) as unauth:
         decoder.decode(unsigned)
     assert unauth.value.code == "unauthenticated"
     with pytest.raises(AuthenticationError) as wrong:
-        kvpush.Decoder(b"another-secret-of-32-bytes-long!!").decode(frame)
+        lab.Decoder(b"another-secret-of-32-bytes-long!!").decode(frame)
     assert wrong.value.code == "bad_signature"
 
 
 def test_old_frames_are_refused_by_the_clock_check(secret: bytes) -> None:
-    frame = kvpush.Encoder("decode-0", secret).encode(REGISTER, now_ms=1_000_000)
+    frame = lab.Encoder("decode-0", secret).encode(REGISTER, now_ms=1_000_000)
     with pytest.raises(AuthenticationError) as caught:
-        kvpush.Decoder(secret, max_clock_skew=30.0).decode(frame, now_ms=1_000_000 + 31_000)
+        lab.Decoder(secret, max_clock_skew=30.0).decode(frame, now_ms=1_000_000 + 31_000)
     assert caught.value.code == "clock_skew"
 
 
 def test_oversized_and_garbage_input_are_refused_cleanly() -> None:
-    decoder = kvpush.Decoder(max_frame_bytes=1024)
+    decoder = lab.Decoder(max_frame_bytes=1024)
     with pytest.raises(MessageTooLargeError):
         decoder.decode(struct.pack(">I", 1 << 30) + b"x")
     with pytest.raises(MessageTooLargeError):
-        kvpush.frame_length(struct.pack(">I", 2048), max_frame_bytes=1024)
-    assert kvpush.frame_length(b"\x00\x00") is None
+        lab.frame_length(struct.pack(">I", 2048), max_frame_bytes=1024)
+    assert lab.frame_length(b"\x00\x00") is None
     for garbage in [
         b"",
         b"\x00\x00\x00\x05hello",
@@ -142,17 +143,15 @@ def test_oversized_and_garbage_input_are_refused_cleanly() -> None:
 
 def test_unknown_kind_and_bad_fields_are_refused() -> None:
     with pytest.raises(ValueError, match="kind"):
-        kvpush.Encoder("x").encode({"transfer_key": "k"})
+        lab.Encoder("x").encode({"transfer_key": "k"})
     with pytest.raises(ValueError, match="kvpush/1 message"):
-        kvpush.Encoder("x").encode({"kind": "register", "epoch": "not a number"})
+        lab.Encoder("x").encode({"kind": "register", "epoch": "not a number"})
     with pytest.raises(ProtocolError) as caught:
-        kvpush.Decoder().decode(
-            kvpush.Encoder("x").encode({**REGISTER, "transfer_key": "k" * 5000})
-        )
+        lab.Decoder().decode(lab.Encoder("x").encode({**REGISTER, "transfer_key": "k" * 5000}))
     assert caught.value.code == "invalid"
 
 
 def test_weak_secret_is_refused() -> None:
     with pytest.raises(ProtocolError) as caught:
-        kvpush.Encoder("x", b"short")
+        lab.Encoder("x", b"short")
     assert caught.value.code == "weak_secret"

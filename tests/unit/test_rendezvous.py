@@ -7,6 +7,7 @@ import threading
 import pytest
 
 import kvpush
+from kvpush._native import lab
 from kvpush.exceptions import (
     DuplicateReadyError,
     FencedError,
@@ -21,14 +22,14 @@ TTL = 30.0
 
 @pytest.mark.parametrize("registration_first", [True, False])
 def test_second_arrival_matches_in_either_order(registration_first: bool) -> None:
-    table = kvpush.RendezvousTable()
+    table = lab.RendezvousTable()
     reg = {"blocks": [1, 2]}
     ready = [7, 8, 9]
 
-    def register() -> kvpush.Arrival:
+    def register() -> lab.Arrival:
         return table.register("cmpl-abc-0-11111111", 1, reg, ttl=TTL)
 
-    def make_ready() -> kvpush.Arrival:
+    def make_ready() -> lab.Arrival:
         return table.ready("cmpl-abc-0-22222222", ready, ttl=TTL)
 
     first, second = (register, make_ready) if registration_first else (make_ready, register)
@@ -42,7 +43,7 @@ def test_second_arrival_matches_in_either_order(registration_first: bool) -> Non
 
 
 def test_transfer_id_is_the_key_when_given() -> None:
-    table = kvpush.RendezvousTable()
+    table = lab.RendezvousTable()
     table.ready("p-side-id", "kv", ttl=TTL, transfer_id="xfer-9")
     arrival = table.register("d-side-id", 1, "reg", ttl=TTL, transfer_id="xfer-9")
     assert arrival.matched
@@ -50,7 +51,7 @@ def test_transfer_id_is_the_key_when_given() -> None:
 
 
 def test_write_lifecycle_leaves_a_fence_that_refuses_late_halves() -> None:
-    table = kvpush.RendezvousTable()
+    table = lab.RendezvousTable()
     table.ready("req-1", "kv", ttl=TTL)
     arrival = table.register("req-1", 1, "reg", ttl=TTL)
     table.begin_write(arrival.key, 1)
@@ -66,7 +67,7 @@ def test_write_lifecycle_leaves_a_fence_that_refuses_late_halves() -> None:
 
 
 def test_stale_epoch_is_refused_and_higher_epoch_supersedes() -> None:
-    table = kvpush.RendezvousTable()
+    table = lab.RendezvousTable()
     table.register("req-2", 2, "reg@2", ttl=TTL)
     with pytest.raises(StaleEpochError, match="epoch 2 is current") as caught:
         table.register("req-2", 2, "again", ttl=TTL)
@@ -78,7 +79,7 @@ def test_stale_epoch_is_refused_and_higher_epoch_supersedes() -> None:
 
 
 def test_cancel_during_write_is_deferred_until_finish() -> None:
-    table = kvpush.RendezvousTable()
+    table = lab.RendezvousTable()
     table.ready("req-3", "kv", ttl=TTL)
     arrival = table.register("req-3", 1, "reg", ttl=TTL)
     table.begin_write(arrival.key, 1)
@@ -89,7 +90,7 @@ def test_cancel_during_write_is_deferred_until_finish() -> None:
 
 
 def test_cancel_before_any_write_returns_the_halves() -> None:
-    table = kvpush.RendezvousTable()
+    table = lab.RendezvousTable()
     table.ready("req-4", ["p-blocks"], ttl=TTL)
     cancellation = table.cancel(kvpush.transfer_key("req-4"))
     assert cancellation.status == "removed"
@@ -100,7 +101,7 @@ def test_cancel_before_any_write_returns_the_halves() -> None:
 
 
 def test_superseded_match_cannot_be_written() -> None:
-    table = kvpush.RendezvousTable()
+    table = lab.RendezvousTable()
     table.ready("req-5", "kv", ttl=TTL)
     old = table.register("req-5", 1, "old", ttl=TTL)
     new = table.register("req-5", 2, "new", ttl=TTL)
@@ -113,14 +114,14 @@ def test_superseded_match_cannot_be_written() -> None:
 
 
 def test_duplicate_ready_is_refused() -> None:
-    table = kvpush.RendezvousTable()
+    table = lab.RendezvousTable()
     table.ready("req-6", "kv", ttl=TTL)
     with pytest.raises(DuplicateReadyError):
         table.ready("req-6", "kv", ttl=TTL)
 
 
 def test_expiry_reports_what_was_waiting_and_empties_the_table() -> None:
-    table = kvpush.RendezvousTable(fence_ttl=5.0)
+    table = lab.RendezvousTable(fence_ttl=5.0)
     table.register("req-7", 4, {"d": 1}, ttl=10.0, now=0.0)
     table.ready("req-8", "kv", ttl=20.0, now=0.0)
     assert table.expire(now=9.9) == []
@@ -135,7 +136,7 @@ def test_expiry_reports_what_was_waiting_and_empties_the_table() -> None:
 
 
 def test_table_full_is_backpressure_not_a_crash() -> None:
-    table = kvpush.RendezvousTable(shards=1, max_entries=2)
+    table = lab.RendezvousTable(shards=1, max_entries=2)
     table.register("a", 1, "r", ttl=TTL)
     table.register("b", 1, "r", ttl=TTL)
     with pytest.raises(TableFullError, match="full"):
@@ -144,8 +145,8 @@ def test_table_full_is_backpressure_not_a_crash() -> None:
 
 def test_bad_arguments_are_value_errors() -> None:
     with pytest.raises(ValueError, match="power of two"):
-        kvpush.RendezvousTable(shards=3)
-    table = kvpush.RendezvousTable()
+        lab.RendezvousTable(shards=3)
+    table = lab.RendezvousTable()
     with pytest.raises(ValueError, match="ttl"):
         table.register("x", 1, "r", ttl=-1.0)
     with pytest.raises(ValueError, match="now"):
@@ -153,7 +154,7 @@ def test_bad_arguments_are_value_errors() -> None:
 
 
 def test_threads_racing_halves_match_each_key_exactly_once() -> None:
-    table = kvpush.RendezvousTable()
+    table = lab.RendezvousTable()
     keys = [f"race-{i}" for i in range(2000)]
     matches: list[int] = [0, 0]
     start = threading.Barrier(2)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import kvpush
+from kvpush._native import lab
 from kvpush.exceptions import ConfigError, KvPushError, LayoutError
 from kvpush.vllm import _stats, _worker
 from kvpush.vllm._layout import CacheGroups, Model, TensorView, layout_from_caches, views_by_group
@@ -56,7 +57,7 @@ def test_cpu_plan_copies_every_listed_block_whole_and_nothing_else() -> None:
     src, dst = (layout_from_caches([view(c) for c in cs], model) for cs in (p, d))
     p_blocks, d_blocks = [9, 2, 14], [5, 1, 11]
     tokens = src.tokens_to_write(70)  # a partial last block still moves whole
-    plan = kvpush.Planner(src.layout, dst.layout).plan("req", tokens, [p_blocks], [d_blocks])
+    plan = lab.Planner(src.layout, dst.layout).plan("req", tokens, [p_blocks], [d_blocks])
     for s_addr, d_addr, n in plan.runs():
         ctypes.memmove(d_addr, s_addr, n)  # the plan's addresses are the arrays' own
     for layer in range(2):

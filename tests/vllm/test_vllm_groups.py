@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 import kvpush
+from kvpush._native import lab
 from kvpush.exceptions import LayoutError
 from kvpush.vllm._layout import NULL_BLOCK, CacheGroups, Model, views_by_group
 from kvpush.vllm._scheduler import PushScheduler
@@ -416,7 +417,7 @@ def test_planner_refuses_a_window_that_p_dropped_and_d_still_needs() -> None:
     try:
         cache = worker.worker._cache
         assert cache is not None
-        planner = kvpush.Planner(cache.layout, cache.layout)
+        planner = lab.Planner(cache.layout, cache.layout)
         with pytest.raises(kvpush.exceptions.PlanError, match="P's blocks start at token 64"):
             planner.plan(
                 "r",

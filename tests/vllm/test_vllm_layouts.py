@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import kvpush
+from kvpush._native import lab
 from kvpush.exceptions import LayoutError
 from kvpush.vllm._layout import (
     KV_CACHE_LAYOUTS,
@@ -230,7 +230,7 @@ def expected_cache(p: Worker, d: Worker, reqs: list[Request]) -> Any:
 
 def move(p: Worker, d: Worker, reqs: list[Request]) -> int:
     """Plans every request P -> D and copies the runs; returns the bytes written."""
-    planner = kvpush.Planner(p.cache.layout, d.cache.layout)
+    planner = lab.Planner(p.cache.layout, d.cache.layout)
     written = 0
     for i, r in enumerate(reqs):
         plan = planner.plan(
@@ -334,7 +334,7 @@ def test_layouts_without_contiguous_head_slices_need_equal_tp(layout: str) -> No
     assert not p.cache.slices_heads
     assert p.cache.agreement() != d.cache.agreement(), "the handshake must tell them apart"
     with pytest.raises(LayoutError, match="P and D cannot exchange KV"):
-        kvpush.Planner(p.cache.layout, d.cache.layout)
+        lab.Planner(p.cache.layout, d.cache.layout)
     # Equal sizes: rank 1 of each side pairs up.
     transfer_and_check(
         allocate("FLASH_ATTN", layout, 16, tp=(1, 2), seed=1),

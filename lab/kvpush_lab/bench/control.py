@@ -53,6 +53,7 @@ from typing import Literal
 import numpy as np
 
 import kvpush
+from kvpush._native import lab
 from kvpush_lab.bench import report
 from kvpush_lab.bench.report import Table, bar_chart, line_chart, ratio, replace_section, seconds
 from kvpush_lab.bench.vllm_baseline import Side, VllmUnavailableError, VllmWriter, vllm_version
@@ -276,13 +277,13 @@ def measure_case(case: Case, repeats: int, warmup: int) -> CaseResult:
     p, d = sides(case)
     req = request(case, p, d)
     writer = VllmWriter(p, d, HEADS)
-    planner = kvpush.Planner(kvpush_layout(p), kvpush_layout(d))
-    table = kvpush.RendezvousTable(max_entries=1 << 20)
+    planner = lab.Planner(kvpush_layout(p), kvpush_layout(d))
+    table = lab.RendezvousTable(max_entries=1 << 20)
     first_tokens = [req.d_first_token]
     vllm_ns: list[int] = []
     kvpush_ns: list[int] = []
     written_ns: list[int] = []
-    plan: kvpush.Plan | None = None
+    plan: lab.Plan | None = None
     for i in range(warmup + repeats):
         p_id, d_id = request_ids(i)
         # vLLM: D's registration waits; P's finished blocks arrive.
@@ -339,7 +340,7 @@ def measure_matching(pending: int, matches: int, warmup: int) -> MatchResult:
     """Per-match cost with ``pending`` unmatched entries waiting on each side."""
     tiny = Side(0x1000, 1, BLOCK_TOKENS, 1, 16, 4096)
     writer = VllmWriter(tiny, replace(tiny, base=0x9000), HEADS)
-    table = kvpush.RendezvousTable(max_entries=1 << 20)
+    table = lab.RendezvousTable(max_entries=1 << 20)
     blocks = [0]
     for i in range(pending):
         p_id, d_id = request_ids(10_000_000 + i)

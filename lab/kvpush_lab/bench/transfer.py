@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import kvpush
+from kvpush._native import lab
 from kvpush_lab.bench.report import cpu_model, load_average
 from kvpush_lab.bench.worker import BenchWorker, CacheGeometry, Method, WorkerSpec
 from kvpush_lab.peer import PeerError, RemoteWorker
@@ -243,7 +244,7 @@ class TransferBench:
         """kvpush's planner alone on the same layouts: the part of kvpush's control time that
         comes before NIXL's post (which, under cma, also does the copy)."""
         g = self.geometry
-        planner = kvpush.Planner(g.layout(p_base), g.layout(d_base))
+        planner = lab.Planner(g.layout(p_base), g.layout(d_base))
         tokens = g.blocks * g.block_tokens
         for layout, (p_blocks, d_blocks) in self.orders.items():
             times = []

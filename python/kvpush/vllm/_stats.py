@@ -32,8 +32,8 @@ def empty() -> dict[str, Any]:
 
 def _reason_code(event: kvpush.TransferEvent) -> str:
     """A failure's metric label: the role and the event's reason code (never its prose)."""
-    code = event.code.value if event.code is not None else event.outcome
-    return f"{event.role}_{code}"
+    code = event.code if event.code is not None else event.outcome
+    return f"{event.role.value}_{code.value}"
 
 
 def observe(
@@ -41,25 +41,26 @@ def observe(
 ) -> None:
     """Adds one finished transfer to ``data``."""
     t = event.timeline
-    if event.outcome != "done":
+    if event.outcome is not kvpush.Outcome.DONE:
         code = _reason_code(event)
         data["failures"][code] = data["failures"].get(code, 0) + 1
         return
-    data["sent" if event.role == "send" else "received"] += 1
+    sent = event.role is kvpush.Role.SEND
+    data["sent" if sent else "received"] += 1
     data["bytes"].append(event.bytes)
     data["descriptors"].append(event.runs)
-    if event.role == "send":
-        if "matched" in t and "posted" in t:
-            data["post_seconds"].append(t["posted"] - t["matched"])
-        if "posted" in t and "completed" in t:
-            data["transfer_seconds"].append(t["completed"] - t["posted"])
-        if "ready" in t and "matched" in t:
-            data["registration_wait_seconds"].append(max(0.0, t["matched"] - t["ready"]))
-        acted = t.get("ready")
+    if sent:
+        if t.matched is not None and t.posted is not None:
+            data["post_seconds"].append(t.posted - t.matched)
+        if t.posted is not None and t.completed is not None:
+            data["transfer_seconds"].append(t.completed - t.posted)
+        if t.ready is not None and t.matched is not None:
+            data["registration_wait_seconds"].append(max(0.0, t.matched - t.ready))
+        acted = t.ready
     else:
-        if "registered" in t and "completed" in t:
-            data["transfer_seconds"].append(t["completed"] - t["registered"])
-        acted = t.get("registered")
+        if t.registered is not None and t.completed is not None:
+            data["transfer_seconds"].append(t.completed - t.registered)
+        acted = t.registered
     if scheduled is not None and acted is not None:
         data["step_wait_seconds"].append(max(0.0, acted + clock_offset - scheduled))
 

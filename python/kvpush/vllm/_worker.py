@@ -262,14 +262,11 @@ class PushWorker:
         port = self._config.side_channel_port + self._model.worker_index
         cpus = native_thread_cpus()
         with _threads_born_on(cpus):
-            self._endpoint = kvpush.Endpoint(
-                self._config.engine_id,
-                layout,
-                memory=list(cache.memory),
+            options = kvpush.EndpointOptions(
+                transport=self._config.transport,  # type: ignore[arg-type]
                 # VRAM of that GPU, registered with its device id (NIXL's VRAM_SEG), and
                 # advertised in the handshake; None registers host memory (DRAM).
                 device=device,
-                transport=self._config.transport,  # type: ignore[arg-type]
                 # No agent_name: the endpoint makes one unique to this process, so that two
                 # replicas sharing an engine id, or a restarted worker, never share an agent.
                 bind=f"{self._config.side_channel_host}:{port}",
@@ -281,6 +278,9 @@ class PushWorker:
                 peer_timeout=self._config.peer_timeout,
                 heartbeat_interval=self._config.heartbeat_interval,
                 compatibility=compatibility(self._config.model_fingerprint, cache),
+            )
+            self._endpoint = kvpush.Endpoint(
+                self._config.engine_id, layout, memory=list(cache.memory), options=options
             )
         self._clock_offset = time.time() - self._endpoint.clock()
         timeline_dir = os.environ.get(TIMELINE_DIR_ENV)
@@ -468,10 +468,10 @@ class PushWorker:
             wall["scheduled"] = decided
         line = {
             "engine": self._config.engine_id,
-            "role": event.role,
+            "role": event.role.value,
             "request_id": event.request_id,
             "key": event.key,
-            "outcome": event.outcome,
+            "outcome": event.outcome.value,
             "reason": event.reason,
             "bytes": event.bytes,
             "runs": event.runs,
@@ -497,7 +497,7 @@ class PushWorker:
             )
             return
         for event in events:
-            quarantined = event.outcome == "quarantined"
+            quarantined = event.outcome is kvpush.Outcome.QUARANTINED
             # A quarantine notice is not the request's end: its final event keeps the decision.
             decided = (
                 self._decided.get(event.request_id)
@@ -514,7 +514,9 @@ class PushWorker:
 
     def _report(self, event: kvpush.TransferEvent) -> None:
         request_id = event.request_id
-        tracked = request_id in (self._sending if event.role == "send" else self._recv_blocks)
+        tracked = request_id in (
+            self._sending if event.role is kvpush.Role.SEND else self._recv_blocks
+        )
         if not tracked:
             logger.warning(
                 "kvpush: %s event (%s) for request %s, which this worker does not track; ignored",
@@ -523,7 +525,7 @@ class PushWorker:
                 request_id,
             )
             return
-        if event.outcome == "quarantined":
+        if event.outcome is kvpush.Outcome.QUARANTINED:
             # A notice, not the end: a WRITE may still be moving bytes (P stalled, a link cut, a
             # peer that never confirmed), so the request is not reported finished and vLLM keeps
             # its blocks allocated (a receive's even if the request is aborted). Its final event
@@ -535,17 +537,17 @@ class PushWorker:
                 event.reason,
             )
             return
-        if event.role == "send":
-            if event.outcome == "failed":
+        if event.role is kvpush.Role.SEND:
+            if event.outcome is kvpush.Outcome.FAILED:
                 logger.warning("kvpush: send of %s failed: %s", request_id, event.reason)
             self._sending.discard(request_id)
             self._finished_sending.add(request_id)
             return
         blocks = self._recv_blocks.pop(request_id)
-        if event.outcome == "done":
+        if event.outcome is kvpush.Outcome.DONE:
             self._finished_recving.add(request_id)
         else:
-            self._fail_recv(request_id, sorted(blocks), event.reason or event.outcome)
+            self._fail_recv(request_id, sorted(blocks), event.reason or event.outcome.value)
 
     def take_finished(self) -> tuple[set[str], set[str], set[str]]:
         """Sends finished, receives finished (failed ones included), receives failed.

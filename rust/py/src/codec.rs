@@ -48,7 +48,7 @@ fn message_to_dict<'py>(py: Python<'py>, message: &Message) -> PyResult<Bound<'p
 }
 
 /// Signs (with a secret) and frames messages. One per sender; safe to share across threads.
-#[pyclass(module = "kvpush", frozen)]
+#[pyclass(module = "kvpush._native.lab", frozen)]
 #[derive(Debug)]
 pub(crate) struct Encoder(protocol::Encoder);
 
@@ -85,7 +85,7 @@ impl Encoder {
 }
 
 /// Verifies and decodes frames, keeping its peers' replay windows.
-#[pyclass(module = "kvpush", frozen)]
+#[pyclass(module = "kvpush._native.lab", frozen)]
 #[derive(Debug)]
 pub(crate) struct Decoder(Mutex<protocol::Decoder>);
 

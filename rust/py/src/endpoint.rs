@@ -1,37 +1,25 @@
-//! `Endpoint` and `TransferEvent`: a worker's push endpoint as Python sees it.
+//! `Endpoint`: a worker's push endpoint as Python sees it (`kvpush.Endpoint` adds what needs
+//! Python: finding NIXL's library, logging at `__exit__`).
 
-use std::net::{SocketAddr, ToSocketAddrs};
-use std::time::Duration;
-
-use kvpush_core::endpoint::{
-    self as core, AbortOutcome, EndpointConfig, Event, Expectation, Outcome, ReadyKv, Role, Share,
-};
+use kvpush_core::endpoint::{self as core, EndpointConfig, Event, Expectation, ReadyKv, Share};
 use kvpush_core::loopback::LoopbackTransport;
 use kvpush_core::protocol::BlockGroup;
-use kvpush_core::transport::{MemoryRegion, MemorySpace, Transport};
+use kvpush_core::transport::{MemoryKind, MemoryRegion, MemorySpace, Transport};
 use kvpush_nixl::{AgentConfig, Library, NixlTransport};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::blocks::Groups;
 use crate::errors::Error;
+use crate::event::{AbortOutcome, TransferEvent};
 use crate::native::{detached, native};
+use crate::options::{seconds, EndpointOptions, TransportKind};
 use crate::planner::KvLayout;
-
-fn seconds(value: f64, what: &str) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(value).map_err(|_| {
-        PyValueError::new_err(format!(
-            "{what} must be a finite number of seconds >= 0, not {value}"
-        ))
-    })
-}
 
 /// Block lists as Python gives them: one list per KV group, or one flat list for one group,
 /// with each group's first token (0 unless given).
-fn groups(
-    blocks: crate::planner::Groups,
-    first_tokens: Option<Vec<u64>>,
-) -> PyResult<Vec<BlockGroup>> {
+fn groups(blocks: Groups, first_tokens: Option<Vec<u64>>) -> PyResult<Vec<BlockGroup>> {
     let lists = blocks.into_lists();
     let firsts = first_tokens.unwrap_or_else(|| vec![0; lists.len()]);
     if firsts.len() != lists.len() {
@@ -48,95 +36,6 @@ fn groups(
         .collect())
 }
 
-/// How one request's transfer ended on this side.
-#[pyclass(module = "kvpush", frozen, get_all)]
-#[derive(Debug)]
-pub(crate) struct TransferEvent {
-    /// "send" (P) or "receive" (D).
-    role: &'static str,
-    /// The local request id.
-    request_id: String,
-    /// The transfer key both sides matched on.
-    key: String,
-    /// "done", "failed", "cancelled" or "quarantined" (the blocks must never be reused).
-    outcome: &'static str,
-    /// Why, when not done: the detail, for people.
-    reason: Option<String>,
-    /// Why, when not done: a `kvpush.outcomes.Reason` (programs and metrics branch on it).
-    code: Option<Py<PyAny>>,
-    /// Bytes written (P) or announced by the DONEs (D).
-    bytes: u64,
-    /// Descriptor runs in the WRITE (P).
-    runs: u32,
-    /// Seconds on the endpoint's clock: registered, ready, matched, posted, completed.
-    timeline: Py<PyDict>,
-}
-
-impl TransferEvent {
-    fn new(py: Python<'_>, event: Event) -> PyResult<Self> {
-        let code = match event.outcome.cause() {
-            Some(cause) => Some(
-                py.import("kvpush.outcomes")?
-                    .getattr("Reason")?
-                    .call1((cause.reason.code(),))?
-                    .unbind(),
-            ),
-            None => None,
-        };
-        let (outcome, reason) = match event.outcome {
-            Outcome::Done => ("done", None),
-            Outcome::Failed(cause) => ("failed", Some(cause.detail)),
-            Outcome::Cancelled(cause) => ("cancelled", Some(cause.detail)),
-            Outcome::Quarantined(cause) => ("quarantined", Some(cause.detail)),
-        };
-        let t = event.timeline;
-        let timeline = PyDict::new(py);
-        for (name, at) in [
-            ("registered", t.registered),
-            ("ready", t.ready),
-            ("matched", t.matched),
-            ("posted", t.posted),
-            ("completed", t.completed),
-        ] {
-            if let Some(at) = at {
-                timeline.set_item(name, at)?;
-            }
-        }
-        Ok(Self {
-            role: match event.role {
-                Role::Send => "send",
-                Role::Receive => "receive",
-            },
-            request_id: event.request_id,
-            key: event.key.as_str().to_owned(),
-            outcome,
-            reason,
-            code,
-            bytes: event.bytes,
-            runs: event.runs,
-            timeline: timeline.unbind(),
-        })
-    }
-}
-
-#[pymethods]
-impl TransferEvent {
-    fn __repr__(&self) -> String {
-        match &self.reason {
-            None => format!(
-                "TransferEvent({} {:?} {}: {} bytes, {} runs)",
-                self.role, self.request_id, self.outcome, self.bytes, self.runs
-            ),
-            Some(reason) => {
-                format!(
-                    "TransferEvent({} {:?} {}: {reason})",
-                    self.role, self.request_id, self.outcome
-                )
-            }
-        }
-    }
-}
-
 /// 32 bits no other endpoint of this process, nor likely of any other, picks.
 fn unique_suffix() -> u32 {
     use std::hash::{BuildHasher, Hasher};
@@ -148,12 +47,12 @@ fn unique_suffix() -> u32 {
     hasher.finish() as u32
 }
 
-fn events(py: Python<'_>, events: Vec<Event>) -> PyResult<Vec<TransferEvent>> {
-    events.into_iter().map(|e| TransferEvent::new(py, e)).collect()
+fn events(events: Vec<Event>) -> Vec<TransferEvent> {
+    events.into_iter().map(TransferEvent::from).collect()
 }
 
 /// A worker's push endpoint: side channel, rendezvous table and native writer thread.
-#[pyclass(module = "kvpush", frozen)]
+#[pyclass(module = "kvpush", frozen, subclass)]
 #[derive(Debug)]
 pub(crate) struct Endpoint(core::Endpoint);
 
@@ -176,100 +75,44 @@ fn start<T: Transport + 'static>(
 #[pymethods]
 impl Endpoint {
     /// Starts an endpoint. `memory` lists `(address, length)` of the KV cache buffers, which
-    /// must stay allocated until `close()`.
+    /// must stay allocated until `close()`. With the NIXL transport, `options.nixl_library`
+    /// must name NIXL's library (`kvpush.Endpoint` finds it).
     #[new]
-    #[pyo3(signature = (
-        engine_id, layout, *, memory, transport = "nixl", agent_name = None, nixl_library = None,
-        nixl_progress_thread = false, device = None, bind = "127.0.0.1:0", secret = None,
-        compatibility = "",
-        write_timeout = 10.0, heartbeat_interval = 1.0, peer_timeout = 5.0, connect_timeout = 3.0,
-        insecure = false, max_registrations_per_host = 16_384,
-        max_registration_bytes_per_host = 64 << 20, inbox_capacity = 16_384, delivery_bound = None,
-        pp_rank = 0, pp_size = 1
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (engine_id, layout, *, memory, options))]
     fn new(
         py: Python<'_>,
         engine_id: String,
         layout: &KvLayout,
         memory: Vec<(u64, u64)>,
-        transport: &str,
-        agent_name: Option<String>,
-        nixl_library: Option<String>,
-        nixl_progress_thread: bool,
-        device: Option<u32>,
-        bind: &str,
-        secret: Option<Vec<u8>>,
-        compatibility: &str,
-        write_timeout: f64,
-        heartbeat_interval: f64,
-        peer_timeout: f64,
-        connect_timeout: f64,
-        insecure: bool,
-        max_registrations_per_host: usize,
-        max_registration_bytes_per_host: usize,
-        inbox_capacity: usize,
-        delivery_bound: Option<f64>,
-        pp_rank: u32,
-        pp_size: u32,
+        options: &EndpointOptions,
     ) -> PyResult<Self> {
-        if pp_rank >= pp_size {
-            return Err(PyValueError::new_err(format!(
-                "pp_rank {pp_rank} must be below pp_size {pp_size}"
-            )));
-        }
-        // A host name (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST defaults to "localhost") is resolved
-        // here, once; the first address it resolves to is the one listened on.
-        let bind: SocketAddr =
-            bind.to_socket_addrs().ok().and_then(|mut addrs| addrs.next()).ok_or_else(|| {
-                PyValueError::new_err(format!("bind must be a resolvable host:port, not {bind:?}"))
-            })?;
-        let space = match device {
-            None => MemorySpace::DRAM,
-            Some(device) => MemorySpace { kind: kvpush_core::transport::MemoryKind::Vram, device },
-        };
-        let mut config = EndpointConfig::new(engine_id.clone(), layout.0.clone());
-        config.memory = space;
-        config.bind = bind;
-        config.secret = secret;
-        config.compatibility = compatibility.to_owned();
-        config.write_timeout = seconds(write_timeout, "write_timeout")?;
-        config.heartbeat_interval = seconds(heartbeat_interval, "heartbeat_interval")?;
-        config.peer_timeout = seconds(peer_timeout, "peer_timeout")?;
-        config.connect_timeout = seconds(connect_timeout, "connect_timeout")?;
-        config.allow_insecure = insecure;
-        config.pp_rank = pp_rank;
-        config.pp_size = pp_size;
-        config.max_registrations_per_host = max_registrations_per_host;
-        config.max_registration_bytes_per_host = max_registration_bytes_per_host;
-        config.inbox_capacity = inbox_capacity;
-        config.delivery_bound = match (delivery_bound, transport) {
-            (Some(seconds_given), _) => seconds(seconds_given, "delivery_bound")?,
-            (None, "nixl") => kvpush_nixl::delivery_bound().map_err(PyValueError::new_err)?,
-            (None, _) => LoopbackTransport::DELIVERY_BOUND,
-        };
+        let config = options.config(engine_id.clone(), layout.0.clone())?;
+        let space = options.memory_space();
         // Unique per process and per endpoint: P counts its peers' agents by name, so two D
         // replicas with one engine id, or a restarted D, must never share one.
-        let name = agent_name.unwrap_or_else(|| {
+        let name = options.agent_name.clone().unwrap_or_else(|| {
             format!(
-                "{engine_id}-pp{pp_rank}-tp{}-{}-{:08x}",
+                "{engine_id}-pp{}-tp{}-{}-{:08x}",
+                config.pp_rank,
                 layout.0.tp_rank,
                 std::process::id(),
                 unique_suffix()
             )
         });
-        let endpoint = match transport {
-            "loopback" => native(py, || {
+        let endpoint = match options.transport {
+            TransportKind::Loopback => native(py, || {
                 let transport = LoopbackTransport::new(name).map_err(Error::from)?;
                 start(transport, &memory, space, config)
             })?,
-            "nixl" => {
-                let path = match nixl_library {
-                    Some(path) => path,
-                    None => py.import("kvpush.nixl")?.call_method0("library_path")?.extract()?,
-                };
+            TransportKind::Nixl => {
+                let path = options.nixl_library.clone().ok_or_else(|| {
+                    PyValueError::new_err(
+                        "the NIXL transport needs options.nixl_library: NIXL's C API library \
+                         (kvpush.Endpoint finds it with kvpush.nixl.library_path())",
+                    )
+                })?;
                 // The policy (the writer drives progress unless asked) is the NIXL crate's.
-                let agent = if nixl_progress_thread {
+                let agent = if options.nixl_progress_thread {
                     AgentConfig::with_progress_thread()
                 } else {
                     AgentConfig::default()
@@ -280,11 +123,6 @@ impl Endpoint {
                         NixlTransport::new(&library, &name, &agent).map_err(Error::from)?;
                     start(transport, &memory, space, config)
                 })?
-            }
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "transport must be 'nixl' or 'loopback', not {other:?}"
-                )))
             }
         };
         Ok(Self(endpoint))
@@ -303,7 +141,7 @@ impl Endpoint {
         &self,
         py: Python<'_>,
         request_id: String,
-        blocks: crate::planner::Groups,
+        blocks: Groups,
         num_tokens: u64,
         transfer_id: Option<String>,
         first_tokens: Option<Vec<u64>>,
@@ -319,22 +157,18 @@ impl Endpoint {
         native(py, || self.0.ready(ready).map_err(Error::from))
     }
 
-    /// P: the request was aborted. Returns "released" (free the blocks), "in_flight" (wait for
-    /// its event) or "unknown"; raises `BusyError` when the writer is far behind (nothing was
-    /// done: keep the blocks and abort again later).
+    /// P: the request was aborted. Returns `AbortOutcome.RELEASED` (free the blocks),
+    /// `IN_FLIGHT` (wait for its event) or `UNKNOWN`; raises `BusyError` when the writer is far
+    /// behind (nothing was done: keep the blocks and abort again later).
     #[pyo3(signature = (request_id, transfer_id = None))]
-    fn abort(
+    fn abort<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         request_id: &str,
         transfer_id: Option<&str>,
-    ) -> PyResult<&'static str> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let outcome = native(py, || self.0.abort(request_id, transfer_id).map_err(Error::from))?;
-        Ok(match outcome {
-            AbortOutcome::Released => "released",
-            AbortOutcome::InFlight => "in_flight",
-            AbortOutcome::Unknown => "unknown",
-        })
+        AbortOutcome::from(outcome).member(py)
     }
 
     /// D: register `blocks` with the P at `source` (a `host:port`, or a list of them: every P
@@ -355,7 +189,7 @@ impl Endpoint {
         py: Python<'_>,
         request_id: String,
         source: Sources,
-        blocks: crate::planner::Groups,
+        blocks: Groups,
         num_tokens: u64,
         transfer_id: Option<String>,
         first_tokens: Option<Vec<u64>>,
@@ -383,16 +217,14 @@ impl Endpoint {
 
     /// Every event since the last call; never blocks, not even while another thread is in
     /// `wait` (which then takes what arrives), so the GIL is never held waiting for it.
-    fn poll(&self, py: Python<'_>) -> PyResult<Vec<TransferEvent>> {
-        let polled = self.0.poll();
-        events(py, polled)
+    fn poll(&self) -> Vec<TransferEvent> {
+        events(self.0.poll())
     }
 
     /// Waits up to `timeout` seconds for at least one event (GIL released).
     fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<Vec<TransferEvent>> {
         let timeout = seconds(timeout, "timeout")?;
-        let waited = detached(py, || self.0.wait(timeout))?;
-        events(py, waited)
+        Ok(events(detached(py, || self.0.wait(timeout))?))
     }
 
     /// Transfers waiting in the rendezvous table (P).
@@ -433,8 +265,8 @@ impl Endpoint {
     fn memory_space(&self) -> (&'static str, u32) {
         let space = self.0.memory();
         match space.kind {
-            kvpush_core::transport::MemoryKind::Dram => ("dram", space.device),
-            kvpush_core::transport::MemoryKind::Vram => ("vram", space.device),
+            MemoryKind::Dram => ("dram", space.device),
+            MemoryKind::Vram => ("vram", space.device),
         }
     }
 
@@ -449,20 +281,6 @@ impl Endpoint {
     /// after a bounded wait, what it still held: the KV memory must then stay allocated.
     fn close(&self, py: Python<'_>) -> PyResult<Option<String>> {
         detached(py, || self.0.close().err().map(|error| error.to_string()))
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
-        if let Some(stuck) = self.close(py)? {
-            py.import("logging")?
-                .call_method1("getLogger", ("kvpush",))?
-                .call_method1("warning", ("kvpush: closing the endpoint: %s", stuck))?;
-        }
-        Ok(false)
     }
 
     fn __repr__(&self) -> String {

@@ -7,10 +7,13 @@
 
 use pyo3::prelude::*;
 
+mod blocks;
 mod codec;
 mod endpoint;
 mod errors;
+mod event;
 mod native;
+mod options;
 mod planner;
 mod table;
 mod topology;
@@ -29,30 +32,38 @@ fn canonical_request_id(request_id: &str) -> &str {
     kvpush_core::canonical_request_id(request_id)
 }
 
+/// `kvpush._native`: the product's bindings. The lab's and the tests' (the rendezvous table,
+/// the planner, the protocol's codec) are in its submodule `lab`, which the product never uses.
 #[pymodule(gil_used = false)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("PROTOCOL_VERSION", kvpush_core::protocol::PROTOCOL_VERSION)?;
     errors::register(m)?;
     m.add_function(wrap_pyfunction!(transfer_key, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_request_id, m)?)?;
     m.add_function(wrap_pyfunction!(topology::tp_sources, m)?)?;
     m.add_class::<planner::Region>()?;
     m.add_class::<planner::KvLayout>()?;
-    m.add_class::<planner::Planner>()?;
-    m.add_class::<planner::Plan>()?;
+    m.add_class::<options::EndpointOptions>()?;
     m.add_class::<endpoint::Endpoint>()?;
-    m.add_class::<endpoint::TransferEvent>()?;
-    m.add_class::<table::RendezvousTable>()?;
-    m.add_class::<table::Arrival>()?;
-    m.add_class::<table::Finished>()?;
-    m.add_class::<table::Cancellation>()?;
-    m.add_class::<table::Expired>()?;
-    m.add("PROTOCOL_VERSION", kvpush_core::protocol::PROTOCOL_VERSION)?;
-    let reasons: Vec<&str> =
-        kvpush_core::endpoint::Reason::ALL.iter().map(|reason| reason.code()).collect();
-    m.add("REASON_CODES", reasons)?;
-    m.add_class::<codec::Encoder>()?;
-    m.add_class::<codec::Decoder>()?;
-    m.add_function(wrap_pyfunction!(codec::frame_length, m)?)?;
+    m.add_class::<event::TransferEvent>()?;
+    m.add_class::<event::Timeline>()?;
+    m.add_class::<event::Role>()?;
+    m.add_class::<event::Outcome>()?;
+    m.add_class::<event::Reason>()?;
+    m.add_class::<event::AbortOutcome>()?;
+
+    let lab = PyModule::new(m.py(), "lab")?;
+    lab.add_class::<planner::Planner>()?;
+    lab.add_class::<planner::Plan>()?;
+    lab.add_class::<table::RendezvousTable>()?;
+    lab.add_class::<table::Arrival>()?;
+    lab.add_class::<table::Finished>()?;
+    lab.add_class::<table::Cancellation>()?;
+    lab.add_class::<table::Expired>()?;
+    lab.add_class::<codec::Encoder>()?;
+    lab.add_class::<codec::Decoder>()?;
+    lab.add_function(wrap_pyfunction!(codec::frame_length, &lab)?)?;
+    m.add_submodule(&lab)?;
     Ok(())
 }

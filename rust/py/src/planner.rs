@@ -8,6 +8,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::blocks::Groups;
 use crate::errors::{layout_error, Error};
 use crate::native::native;
 
@@ -172,7 +173,7 @@ impl KvLayout {
 
 /// The runs to write for one request: planned and counted, written out as runs only when asked
 /// (`runs`, `to_bytes`).
-#[pyclass(module = "kvpush", frozen)]
+#[pyclass(module = "kvpush._native.lab", frozen)]
 #[derive(Debug)]
 pub(crate) struct Plan(CompactPlan);
 
@@ -227,22 +228,6 @@ impl Plan {
     }
 }
 
-/// Block lists as Python gives them: one list per KV group, or one flat list for one group.
-#[derive(FromPyObject)]
-pub(crate) enum Groups {
-    PerGroup(Vec<Vec<u32>>),
-    Single(Vec<u32>),
-}
-
-impl Groups {
-    pub(crate) fn into_lists(self) -> Vec<Vec<u32>> {
-        match self {
-            Self::PerGroup(lists) => lists,
-            Self::Single(ids) => vec![ids],
-        }
-    }
-}
-
 fn block_lists<'a>(
     ids: &'a [Vec<u32>],
     first_tokens: Option<&[u64]>,
@@ -265,7 +250,7 @@ fn block_lists<'a>(
 }
 
 /// Plans writes from one P rank's layout (source) into one D rank's layout (destination).
-#[pyclass(module = "kvpush", frozen)]
+#[pyclass(module = "kvpush._native.lab", frozen)]
 #[derive(Debug)]
 pub(crate) struct Planner(CorePlanner);
 

@@ -35,7 +35,7 @@ fn ready_object(py: Python<'_>, ready: &Ready) -> Py<PyAny> {
 }
 
 /// What inserting one half of a transfer did.
-#[pyclass(module = "kvpush", frozen, get_all)]
+#[pyclass(module = "kvpush._native.lab", frozen, get_all)]
 #[derive(Debug)]
 pub(crate) struct Arrival {
     /// Both halves are present: write now.
@@ -92,7 +92,7 @@ impl Arrival {
 }
 
 /// What `finish` did.
-#[pyclass(module = "kvpush", frozen, get_all)]
+#[pyclass(module = "kvpush._native.lab", frozen, get_all)]
 #[derive(Debug)]
 pub(crate) struct Finished {
     /// "done" or "failed", as reported.
@@ -104,7 +104,7 @@ pub(crate) struct Finished {
 }
 
 /// What `cancel` did.
-#[pyclass(module = "kvpush", frozen, get_all)]
+#[pyclass(module = "kvpush._native.lab", frozen, get_all)]
 #[derive(Debug)]
 pub(crate) struct Cancellation {
     /// "not_found", "removed" or "deferred" (a write is in flight; acknowledge at `finish`).
@@ -116,7 +116,7 @@ pub(crate) struct Cancellation {
 }
 
 /// An entry whose deadline passed before any write began.
-#[pyclass(module = "kvpush", frozen, get_all)]
+#[pyclass(module = "kvpush._native.lab", frozen, get_all)]
 #[derive(Debug)]
 pub(crate) struct Expired {
     key: String,
@@ -127,7 +127,7 @@ pub(crate) struct Expired {
 }
 
 /// Where D's registration meets P's finished KV. Thread-safe.
-#[pyclass(module = "kvpush", frozen)]
+#[pyclass(module = "kvpush._native.lab", frozen)]
 #[derive(Debug)]
 pub(crate) struct RendezvousTable {
     table: core::RendezvousTable<Registration, Ready>,

@@ -1,26 +1,23 @@
 """Type stubs of the native core (``kvpush._native``). Import from ``kvpush`` instead."""
 
 import builtins
-from collections.abc import Sequence
-from typing import Any, Literal, final
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar, Literal, final
 
-from kvpush.outcomes import Reason
+from typing_extensions import Buffer, Self, disjoint_base
+
+from kvpush._native import lab as lab
 
 __all__ = [
     "PROTOCOL_VERSION",
-    "REASON_CODES",
-    "Arrival",
+    "AbortOutcome",
     "AuthenticationError",
     "BusyError",
-    "Cancellation",
     "ConfigError",
-    "Decoder",
     "DuplicateReadyError",
-    "Encoder",
     "Endpoint",
-    "Expired",
+    "EndpointOptions",
     "FencedError",
-    "Finished",
     "InvalidBlocksError",
     "KvLayout",
     "KvPushError",
@@ -29,28 +26,28 @@ __all__ = [
     "MessageTooLargeError",
     "NixlUnavailableError",
     "NotMatchedError",
-    "Plan",
+    "Outcome",
     "PlanError",
-    "Planner",
     "ProtocolError",
+    "Reason",
     "Region",
     "RendezvousError",
-    "RendezvousTable",
+    "Role",
     "StaleEpochError",
     "TableFullError",
+    "Timeline",
     "TransferEvent",
     "TransportError",
     "UnhealthyError",
     "__version__",
     "canonical_request_id",
-    "frame_length",
+    "lab",
     "tp_sources",
     "transfer_key",
 ]
 
 __version__: str
 PROTOCOL_VERSION: int
-REASON_CODES: list[str]
 
 def transfer_key(request_id: str, transfer_id: str | None = None) -> str:
     """The key P and D both derive: ``transfer_id`` if given, else the canonical request id."""
@@ -124,149 +121,112 @@ class KvLayout:
     @staticmethod
     def from_dict(layout: dict[str, Any]) -> KvLayout: ...
 
-@final
-class Plan:
-    """The runs to WRITE for one request, merged where contiguous on both sides."""
-
-    @property
-    def bytes(self) -> int: ...
-    @property
-    def unmerged_runs(self) -> int: ...
-    def __len__(self) -> int: ...
-    def runs(self) -> list[tuple[int, int, int]]:
-        """``(src_addr, dst_addr, length)`` triples."""
-
-    def to_bytes(self) -> builtins.bytes:
-        """The runs as native-endian ``uint64`` triples (``memoryview(...).cast("Q")``)."""
-
-@final
-class Planner:
-    """Plans writes from one P rank's layout (source) into one D rank's layout (destination)."""
-
-    def __new__(cls, src: KvLayout, dst: KvLayout) -> Planner: ...
-    @property
-    def writes_anything(self) -> bool:
-        """False when the two ranks share no KV heads (nothing to write between them)."""
-
-    def plan(
-        self,
-        request: str,
-        num_tokens: int,
-        src_blocks: Sequence[Sequence[int]] | Sequence[int],
-        dst_blocks: Sequence[Sequence[int]] | Sequence[int],
-        *,
-        src_first_tokens: Sequence[int] | None = None,
-        dst_first_tokens: Sequence[int] | None = None,
-    ) -> Plan:
-        """Runs for ``num_tokens`` tokens. Block lists are per KV group (a flat list is one
-        group); ``*_first_tokens[g]`` is the token the group's first block starts at (D's
-        prefix-cache hit: D lists only its uncached suffix)."""
-
-# --- rendezvous -----------------------------------------------------------------------------
-
-@final
-class Arrival:
-    """What inserting one half of a transfer did."""
-
-    @property
-    def matched(self) -> bool: ...
-    @property
-    def key(self) -> str: ...
-    @property
-    def epoch(self) -> int | None: ...
-    @property
-    def registration(self) -> Any: ...
-    @property
-    def ready(self) -> Any: ...
-    @property
-    def superseded(self) -> Any:
-        """The registration a higher epoch replaced, if any."""
-
-@final
-class Finished:
-    @property
-    def outcome(self) -> Literal["done", "failed"]: ...
-    @property
-    def cancel_acknowledged(self) -> bool: ...
-    @property
-    def rematch(self) -> Arrival | None: ...
-
-@final
-class Cancellation:
-    @property
-    def status(self) -> Literal["not_found", "removed", "deferred"]: ...
-    @property
-    def registration(self) -> Any: ...
-    @property
-    def ready(self) -> Any: ...
-
-@final
-class Expired:
-    @property
-    def key(self) -> str: ...
-    @property
-    def epoch(self) -> int | None: ...
-    @property
-    def registration(self) -> Any: ...
-    @property
-    def ready(self) -> Any: ...
-    @property
-    def was_matched(self) -> bool: ...
-
-@final
-class RendezvousTable:
-    """Thread-safe. Times are seconds on the table's own monotonic clock (``now()``); pass
-    ``now=`` to drive it deterministically."""
-
-    def __new__(
-        cls, *, shards: int = 64, max_entries: int = 65536, fence_ttl: float = 60.0
-    ) -> RendezvousTable: ...
-    def now(self) -> float: ...
-    def register(
-        self,
-        request_id: str,
-        epoch: int,
-        payload: Any,
-        *,
-        ttl: float,
-        transfer_id: str | None = None,
-        now: float | None = None,
-    ) -> Arrival: ...
-    def ready(
-        self,
-        request_id: str,
-        payload: Any,
-        *,
-        ttl: float,
-        transfer_id: str | None = None,
-        now: float | None = None,
-    ) -> Arrival: ...
-    def begin_write(self, key: str, epoch: int) -> None: ...
-    def finish(
-        self, key: str, epoch: int, *, error: str | None = None, now: float | None = None
-    ) -> Finished: ...
-    def cancel(
-        self, key: str, epoch: int | None = None, *, now: float | None = None
-    ) -> Cancellation: ...
-    def expire(self, *, now: float | None = None) -> list[Expired]: ...
-    def __len__(self) -> int: ...
-    @property
-    def fences(self) -> int: ...
-
 # --- push endpoint ---------------------------------------------------------------------------
+
+class _Code:
+    """A code enum's member: equal to its stable code (and hashed like it); ``str()`` is it."""
+
+    @property
+    def value(self) -> str:
+        """The stable code (metric labels, JSON, logs)."""
+    @property
+    def name(self) -> str: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+
+@final
+class Role(_Code):
+    """Which side of a transfer an event is from."""
+
+    SEND: ClassVar[Role]
+    RECEIVE: ClassVar[Role]
+    @classmethod
+    def members(cls) -> list[Role]: ...
+    @classmethod
+    def from_code(cls, code: str) -> Role: ...
+
+@final
+class Outcome(_Code):
+    """How a transfer ended on this side (``QUARANTINED`` is a notice: the final event follows)."""
+
+    DONE: ClassVar[Outcome]
+    FAILED: ClassVar[Outcome]
+    CANCELLED: ClassVar[Outcome]
+    QUARANTINED: ClassVar[Outcome]
+    @classmethod
+    def members(cls) -> list[Outcome]: ...
+    @classmethod
+    def from_code(cls, code: str) -> Outcome: ...
+
+@final
+class Reason(_Code):
+    """Why a transfer ended without its KV: the stable codes programs and metrics branch on."""
+
+    ABORTED: ClassVar[Reason]
+    CANCELLED: ClassVar[Reason]
+    EXPIRED: ClassVar[Reason]
+    REFUSED: ClassVar[Reason]
+    LEASE_LAPSED: ClassVar[Reason]
+    INCOMPATIBLE: ClassVar[Reason]
+    WRITE_ERROR: ClassVar[Reason]
+    PEER_LOST: ClassVar[Reason]
+    UNREACHABLE: ClassVar[Reason]
+    QUARANTINED: ClassVar[Reason]
+    CLOSED: ClassVar[Reason]
+    WRITER_DIED: ClassVar[Reason]
+    @classmethod
+    def members(cls) -> list[Reason]: ...
+    @classmethod
+    def from_code(cls, code: str) -> Reason: ...
+
+@final
+class AbortOutcome(_Code):
+    """What ``Endpoint.abort`` did."""
+
+    RELEASED: ClassVar[AbortOutcome]
+    IN_FLIGHT: ClassVar[AbortOutcome]
+    UNKNOWN: ClassVar[AbortOutcome]
+    @classmethod
+    def members(cls) -> list[AbortOutcome]: ...
+    @classmethod
+    def from_code(cls, code: str) -> AbortOutcome: ...
+
+@final
+class Timeline:
+    """Seconds on the endpoint's clock at which each step happened (None: not taken); also a
+    read-only mapping of the steps taken."""
+
+    @property
+    def registered(self) -> float | None: ...
+    @property
+    def ready(self) -> float | None: ...
+    @property
+    def matched(self) -> float | None: ...
+    @property
+    def posted(self) -> float | None: ...
+    @property
+    def completed(self) -> float | None: ...
+    def items(self) -> list[tuple[str, float]]: ...
+    def keys(self) -> list[str]: ...
+    def get(self, step: str, default: float | None = None) -> float | None: ...
+    def __getitem__(self, step: str, /) -> float: ...
+    def __contains__(self, step: str, /) -> bool: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[str]: ...
 
 @final
 class TransferEvent:
     """How one request's transfer ended on this side."""
 
     @property
-    def role(self) -> Literal["send", "receive"]: ...
+    def role(self) -> Role: ...
     @property
     def request_id(self) -> str: ...
     @property
     def key(self) -> str: ...
     @property
-    def outcome(self) -> Literal["done", "failed", "cancelled", "quarantined"]: ...
+    def outcome(self) -> Outcome: ...
     @property
     def reason(self) -> str | None:
         """Why, when not done: the detail, for people (may be reworded)."""
@@ -278,28 +238,18 @@ class TransferEvent:
     @property
     def runs(self) -> int: ...
     @property
-    def timeline(self) -> dict[str, float]:
-        """Seconds on the endpoint's clock: registered, ready, matched, posted, completed."""
+    def timeline(self) -> Timeline: ...
 
 @final
-class Endpoint:
-    """A worker's push endpoint: side channel, rendezvous table and native writer thread.
-
-    ``memory`` lists ``(address, length)`` of the KV cache buffers; they must stay allocated
-    until :meth:`close` (for good, if close reports the writer thread stuck). With
-    ``transport="nixl"`` the library is found by :func:`kvpush.nixl.library_path` unless
-    ``nixl_library`` names it; the native writer thread drives NIXL's progress itself unless
-    ``nixl_progress_thread`` asks for NIXL's own thread.
-    Without a ``secret``, the side channel listens only on loopback and connects only to P
-    workers on loopback, unless ``insecure`` opts out.
-    """
+class EndpointOptions:
+    """How an endpoint runs; each setting checked when made. Without a ``secret``, the side
+    channel listens only on loopback and connects only to P workers on loopback, unless
+    ``insecure`` opts out. The NIXL writer drives NIXL's progress itself unless
+    ``nixl_progress_thread`` asks for NIXL's own thread."""
 
     def __new__(
         cls,
-        engine_id: str,
-        layout: KvLayout,
         *,
-        memory: Sequence[tuple[int, int]],
         transport: Literal["nixl", "loopback"] = "nixl",
         agent_name: str | None = None,
         nixl_library: str | None = None,
@@ -319,7 +269,68 @@ class Endpoint:
         delivery_bound: float | None = None,
         pp_rank: int = 0,
         pp_size: int = 1,
-    ) -> Endpoint: ...
+    ) -> EndpointOptions: ...
+    def replace(self, **changes: Any) -> EndpointOptions: ...
+    @property
+    def transport(self) -> Literal["nixl", "loopback"]: ...
+    @property
+    def agent_name(self) -> str | None: ...
+    @property
+    def nixl_library(self) -> str | None: ...
+    @property
+    def nixl_progress_thread(self) -> bool: ...
+    @property
+    def device(self) -> int | None: ...
+    @property
+    def bind(self) -> str: ...
+    @property
+    def has_secret(self) -> bool: ...
+    @property
+    def compatibility(self) -> str: ...
+    @property
+    def write_timeout(self) -> float: ...
+    @property
+    def heartbeat_interval(self) -> float: ...
+    @property
+    def peer_timeout(self) -> float: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def insecure(self) -> bool: ...
+    @property
+    def max_registrations_per_host(self) -> int: ...
+    @property
+    def max_registration_bytes_per_host(self) -> int: ...
+    @property
+    def inbox_capacity(self) -> int: ...
+    @property
+    def delivery_bound(self) -> float | None: ...
+    @property
+    def pp_rank(self) -> int: ...
+    @property
+    def pp_size(self) -> int: ...
+
+#: Block ids: a sequence of ints, or a one-dimensional buffer of integers (a numpy array,
+#: ``array.array``), per KV group or flat for one group.
+_BlockIds = Sequence[int] | Buffer
+_Blocks = Sequence[_BlockIds] | _BlockIds
+
+@disjoint_base
+class Endpoint:
+    """A worker's push endpoint (use ``kvpush.Endpoint``, which finds NIXL's library).
+
+    ``memory`` lists ``(address, length)`` of the KV cache buffers; they must stay allocated
+    until :meth:`close` (for good, if close reports the writer thread stuck).
+    """
+
+    def __new__(
+        cls,
+        engine_id: str,
+        layout: KvLayout,
+        *,
+        memory: Sequence[tuple[int, int]],
+        options: EndpointOptions,
+    ) -> Self: ...
     @property
     def address(self) -> str: ...
     @property
@@ -335,22 +346,20 @@ class Endpoint:
     def ready(
         self,
         request_id: str,
-        blocks: Sequence[Sequence[int]] | Sequence[int],
+        blocks: _Blocks,
         num_tokens: int,
         *,
         transfer_id: str | None = None,
         first_tokens: Sequence[int] | None = None,
         ttl: float = 30.0,
     ) -> None: ...
-    def abort(
-        self, request_id: str, transfer_id: str | None = None
-    ) -> Literal["released", "in_flight", "unknown"]:
+    def abort(self, request_id: str, transfer_id: str | None = None) -> AbortOutcome:
         """Raises :class:`BusyError` when the writer is far behind: nothing was done."""
     def expect(
         self,
         request_id: str,
         source: str | Sequence[str],
-        blocks: Sequence[Sequence[int]] | Sequence[int],
+        blocks: _Blocks,
         num_tokens: int,
         *,
         transfer_id: str | None = None,
@@ -375,42 +384,6 @@ class Endpoint:
     def close(self) -> str | None:
         """None, or what a writer thread stuck in a transport call still held when it was
         left running (the KV memory must then stay allocated)."""
-    def __enter__(self) -> Endpoint: ...
-    def __exit__(self, *args: object) -> bool: ...
-
-# --- kvpush/1 protocol ----------------------------------------------------------------------
-
-def frame_length(prefix: bytes, max_frame_bytes: int | None = None) -> int | None:
-    """Total bytes of the frame ``prefix`` starts, or None while fewer than 4 bytes are known."""
-
-@final
-class Encoder:
-    """Signs (with a secret) and frames messages; one per sender, safe to share across threads."""
-
-    def __new__(cls, sender: str, secret: bytes | None = None) -> Encoder: ...
-    @property
-    def sender(self) -> str: ...
-    @property
-    def session(self) -> int:
-        """The random nonce this encoder's frames carry (a new one per encoder)."""
-    def encode(self, message: dict[str, Any], *, now_ms: int | None = None) -> bytes:
-        """``message`` is ``{"kind": "register" | "done" | ..., **fields}``."""
-
-@final
-class Decoder:
-    """Verifies and decodes frames; keeps the replay windows of its peers."""
-
-    def __new__(
-        cls,
-        secret: bytes | None = None,
-        *,
-        max_frame_bytes: int | None = None,
-        max_block_ids: int | None = None,
-        max_clock_skew: float | None = None,
-    ) -> Decoder:
-        """``None`` takes the protocol's default limits (a clock skew of 30 s)."""
-    def decode(self, frame: bytes, *, now_ms: int | None = None) -> dict[str, Any]:
-        """``{"sender", "session", "seq", "ts_ms", "message": {"kind": ..., **fields}}``."""
 
 # --- exceptions (re-exported by kvpush.exceptions) ------------------------------------------
 
