@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from kvpush_lab.peer import NETNS_ENV, CacheShape, RemoteWorker, Request
+from kvpush_lab.cache import CacheShape, Request
+from kvpush_lab.peer import NETNS_ENV, RemoteWorker
 from tests.support.faults import Bounds, Outcomes, TimedFault, fenced_through, wait_for
 from tests.support.nixl import nixl_or_skip
 from tests.support.pair import P_SEED, make_requests
