@@ -2,7 +2,8 @@
 
 :class:`RemoteWorker` runs a worker class in a spawned process and drives it over a pipe, one
 command (a public method of the worker) at a time, every wait bounded; the tests' transfers, the
-fault tests and the data-path benchmark (:mod:`kvpush_lab.bench.worker`) all go through it.
+fault tests, the data-path benchmark (:mod:`kvpush_lab.bench.worker`) and ``scripts/gpu-check``
+all go through it.
 
 :class:`Worker` is the tests' worker: a paged KV cache (:mod:`kvpush_lab.cache`) and its kvpush
 endpoint, driven through the same commands whether it runs in this process (loopback transport)
@@ -321,9 +322,10 @@ class RemoteWorker:
     """A worker in its own process (spawned: nothing inherited), driven over a pipe; every wait
     bounded. The worker is a :class:`Worker` or another ``worker_class`` defined at a module's
     top level, built from ``kwargs`` in the child after ``env`` is applied; each of its public
-    methods is a command. ``peer.ready(...)`` sends one and waits for its answer;
-    :meth:`post` and :meth:`reply` split the two, so that both sides of a transfer can run at
-    once. ``wait=None`` leaves the start-up reply (:attr:`hello`) to :meth:`started`."""
+    methods is a command. ``peer.ready(...)`` sends one and waits (``command_wait`` seconds at
+    most) for its answer; :meth:`post` and :meth:`reply` split the two, so that both sides of a
+    transfer can run at once. ``wait=None`` leaves the start-up reply (:attr:`hello`) to
+    :meth:`started`."""
 
     def __init__(
         self,
@@ -332,9 +334,11 @@ class RemoteWorker:
         *,
         name: str = "worker",
         wait: float | None = 60.0,
+        command_wait: float = 60.0,
         **kwargs: Any,
     ) -> None:
         self.name = name
+        self.command_wait = command_wait
         context = mp.get_context("spawn")
         self._connection, child = context.Pipe()
         self._process = context.Process(
@@ -404,7 +408,7 @@ class RemoteWorker:
             raise AttributeError(name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return self.call(name, 60.0, name, *args, **kwargs)
+            return self.call(name, self.command_wait, name, *args, **kwargs)
 
         return call
 

@@ -31,8 +31,8 @@ import psutil
 import kvpush
 from kvpush_lab.bench import report
 from kvpush_lab.bench.serving_cpu import comm
-from kvpush_lab.bench.worker import nixl_module
 from kvpush_lab.cache import CacheShape
+from kvpush_lab.plain_nixl import nixl_module
 
 SECTION = "Idle cost: the transfer machinery alone"
 GEOMETRY = CacheShape(layers=2, num_blocks=64, block_tokens=16, heads=2, head_dim=64)

@@ -7,60 +7,27 @@ connector drives one. The coordinator (:mod:`kvpush_lab.bench.transfer`) runs ea
 process (:class:`kvpush_lab.peer.RemoteWorker`); each command (a public method) runs one half of
 one transfer and returns its timings.
 
-Both paths poll at the cadence of kvpush's writer thread (:data:`POLL_INTERVAL`), and the Python
-agents run without NIXL's progress thread: that thread busy-spins a whole core (its poll delay is
-hard-wired to 0 in the Python API), which on a small machine would slow both paths and measure
-the scheduler instead of the transfer. Without it, whoever waits must progress the agent, so
-every wait below polls.
+Both paths poll at the cadence of kvpush's writer thread, and the Python agents run without
+NIXL's progress thread (:mod:`kvpush_lab.plain_nixl` says why), so every wait below polls.
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
-import os
 import time
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-import kvpush
-from kvpush.exceptions import NixlUnavailableError
 from kvpush_lab.cache import CacheShape
 from kvpush_lab.peer import Worker
-
-#: How often a waiting side polls: kvpush's writer thread polls every 200 µs while a write is in
-#: flight or a DONE awaited, so the Python baseline does the same.
-POLL_INTERVAL = 200e-6
+from kvpush_lab.plain_nixl import PlainAgent, nixl_module
 
 #: Every 64-bit word of each side's cache before the first stamp.
 FILLS = {"p": 0x0123_4567_89AB_CDEF, "d": 0}
 
 Role = Literal["p", "d"]
 Method = Literal["prepped", "initialize"]
-
-
-def nixl_module() -> Any:
-    """NIXL's Python API from the wheel kvpush's native side loads too, so both share one UCX."""
-    for name in kvpush.nixl.WHEEL_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if "NIXL_LOG_LEVEL" not in os.environ:
-            # Its INFO lines (one per agent and backend) would interleave with the progress.
-            logging.getLogger("nixl").setLevel(logging.WARNING)
-        return module
-    raise NixlUnavailableError(
-        f"no NIXL Python API found ({', '.join(kvpush.nixl.WHEEL_MODULES)}): the benchmark "
-        "compares kvpush with NIXL driven from Python; pip install nixl-cu12"
-    )
-
-
-def _seconds_left(deadline: float, what: str) -> None:
-    if time.monotonic() > deadline:
-        raise TimeoutError(what)
 
 
 class BenchWorker(Worker):
@@ -70,7 +37,7 @@ class BenchWorker(Worker):
 
     def __init__(self, role: Role, shape: CacheShape) -> None:
         # Imported before the endpoint exists, so kvpush loads this wheel's C API (one UCX).
-        nixl = nixl_module()
+        nixl_module()
         super().__init__(
             role,
             shape,
@@ -82,23 +49,19 @@ class BenchWorker(Worker):
             compatibility="kvpush-bench",
             fast_peer_loss=False,
         )
-        config = nixl.nixl_agent_config(
-            enable_prog_thread=False, capture_telemetry=True, backends=["UCX"]
+        self.nixl = PlainAgent(
+            f"bench-{role}-nixl", self.cache.address, self.cache.array.nbytes, telemetry=True
         )
-        self.agent = nixl.nixl_agent(f"bench-{role}-nixl", config)
-        whole = np.array([[self.cache.address, self.cache.array.nbytes, 0]], dtype=np.uint64)
-        self.registration = self.agent.register_memory(whole, "DRAM")
-        self.peer: str | None = None
+        self.agent = self.nixl.agent
         self.peer_base = 0
         self.prepped: tuple[Any, Any] | None = None
-        self.inbox: list[bytes] = []
 
     # ---- setup ------------------------------------------------------------------------------
 
     def hello(self) -> dict[str, Any]:
         return {
             "address": self.endpoint.address,
-            "nixl_metadata": self.agent.get_agent_metadata(),
+            "nixl_metadata": self.nixl.metadata(),
             "base": self.cache.address,
             "pretouch_s": self.cache.pretouch_s,
         }
@@ -106,7 +69,7 @@ class BenchWorker(Worker):
     def connect(self, peer: dict[str, Any]) -> dict[str, float]:
         """Loads the peer's NIXL metadata; P also prepares both global descriptor lists (one
         descriptor per block per region), once, as vLLM does when a peer is added."""
-        self.peer = self.agent.add_remote_agent(peer["nixl_metadata"])
+        remote_agent = self.nixl.connect(peer["nixl_metadata"])
         self.peer_base = int(peer["base"])
         if self.role == "d":
             return {}
@@ -116,7 +79,7 @@ class BenchWorker(Worker):
         remote = self._descriptors(self.peer_base, every)
         self.prepped = (
             self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM"),
-            self.agent.prep_xfer_dlist(self.peer, remote, "DRAM"),
+            self.agent.prep_xfer_dlist(remote_agent, remote, "DRAM"),
         )
         return {"prep_dlists_s": time.perf_counter() - started}
 
@@ -170,12 +133,12 @@ class BenchWorker(Worker):
     ) -> dict[str, Any]:
         """P: waits for D's go (carrying D's block ids), then WRITEs the request with a
         completion notification and polls it to DONE."""
-        if self.peer is None or self.prepped is None:
+        if self.nixl.peer is None or self.prepped is None:
             raise RuntimeError("nixl_send before connect: P has no peer or descriptor lists")
         self.cache.stamp(sequence)
         p_blocks = np.asarray(blocks, dtype=np.int64)
         deadline = time.monotonic() + timeout
-        payload = self._await_notification(f"go:{tag}:".encode(), deadline)
+        payload = self.nixl.await_notification(f"go:{tag}:".encode(), deadline, self.role)
         d_blocks = np.frombuffer(payload, dtype=np.int32).astype(np.int64)
         done = f"done:{tag}".encode()
 
@@ -188,24 +151,16 @@ class BenchWorker(Worker):
                 "WRITE", local_list, local, remote_list, remote, notif_msg=done
             )
         else:
-            local_descs = self.agent.get_xfer_descs(
-                self._descriptors(self.cache.address, local), "DRAM"
+            local_descs = self.nixl.descriptors(self._descriptors(self.cache.address, local))
+            remote_descs = self.nixl.descriptors(self._descriptors(self.peer_base, remote))
+            handle = self.agent.initialize_xfer(
+                "WRITE", local_descs, remote_descs, self.nixl.peer, done
             )
-            remote_descs = self.agent.get_xfer_descs(
-                self._descriptors(self.peer_base, remote), "DRAM"
-            )
-            handle = self.agent.initialize_xfer("WRITE", local_descs, remote_descs, self.peer, done)
         built = time.perf_counter()
         state = self.agent.transfer(handle)
         posted = time.perf_counter()
-        while state == "PROC":
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"NIXL WRITE {tag}: not DONE in {timeout:.0f} s")
-            time.sleep(POLL_INTERVAL)
-            state = self.agent.check_xfer_state(handle)
+        self.nixl.complete(handle, state, deadline, tag)
         completed = time.perf_counter()
-        if state != "DONE":
-            raise RuntimeError(f"NIXL WRITE {tag} ended in state {state}")
         telemetry = self.agent.get_xfer_telemetry(handle)
         self.agent.release_xfer_handle(handle)
         return {
@@ -221,30 +176,16 @@ class BenchWorker(Worker):
     ) -> dict[str, Any]:
         """D: sends P the go with its block ids, then waits (bounded) for the WRITE's
         completion notification."""
-        if self.peer is None:
+        if self.nixl.peer is None:
             raise RuntimeError("nixl_receive before connect: D has no peer")
         go = f"go:{tag}:".encode() + np.asarray(d_blocks, dtype=np.int32).tobytes()
         deadline = time.monotonic() + timeout
         started = time.perf_counter()
-        self.agent.send_notif(self.peer, go)
-        self._await_notification(f"done:{tag}".encode(), deadline)
+        self.nixl.notify(go)
+        self.nixl.await_notification(f"done:{tag}".encode(), deadline, self.role)
         received = time.perf_counter() - started
         wrong = self.cache.wrong_blocks(sequence, np.asarray(p_blocks), np.asarray(d_blocks))
         return {"d_view_s": received, "wrong_blocks": wrong}
-
-    def _await_notification(self, prefix: bytes, deadline: float) -> bytes:
-        """The rest of the first notification starting with ``prefix``. Polling is what
-        progresses the agent; notifications for later requests are kept."""
-        while True:
-            for i, message in enumerate(self.inbox):
-                if message.startswith(prefix):
-                    del self.inbox[i]
-                    return message[len(prefix) :]
-            for messages in self.agent.get_new_notifs().values():
-                self.inbox.extend(messages)
-            if not any(m.startswith(prefix) for m in self.inbox):
-                _seconds_left(deadline, f"{self.role}: no NIXL notification {prefix!r} in time")
-                time.sleep(POLL_INTERVAL)
 
     # ---- teardown ---------------------------------------------------------------------------
 
@@ -255,9 +196,6 @@ class BenchWorker(Worker):
                 for handle in self.prepped:
                     self.agent.release_dlist_handle(handle)
                 self.prepped = None
-            if self.peer is not None:
-                self.agent.remove_remote_agent(self.peer)
-                self.peer = None
-            self.agent.deregister_memory(self.registration)
+            self.nixl.close()
         finally:
             super().close()
