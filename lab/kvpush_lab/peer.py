@@ -2,16 +2,16 @@
 
 :class:`RemoteWorker` runs a worker class in a spawned process and drives it over a pipe, one
 command (a public method of the worker) at a time, every wait bounded; the tests' transfers, the
-fault tests and the data-path benchmark (:mod:`kvpush_lab.bench.worker`) all go through it.
+fault tests, the data-path benchmark (:mod:`kvpush_lab.bench.worker`) and ``scripts/gpu-check``
+all go through it.
 
-:class:`Worker` is the tests' worker: a paged KV cache in numpy and its kvpush endpoint, driven
-through the same commands whether it runs in this process (loopback transport) or in its own
-(NIXL over UCX on loopback); :func:`expected_destination` is the per-token copy D's cache is
-checked against."""
+:class:`Worker` is the tests' worker: a paged KV cache (:mod:`kvpush_lab.cache`) and its kvpush
+endpoint, driven through the same commands whether it runs in this process (loopback transport)
+or in its own (NIXL over UCX on loopback). The benchmark's worker is this one with options (its
+fill, names and heartbeats) and a plain NIXL agent added."""
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
 import os
 import time
@@ -23,92 +23,11 @@ from typing import Any
 import numpy as np
 
 import kvpush
+from kvpush_lab.cache import SENTINEL_WORD, CacheShape, PagedCache, Request, expected_destination
 
-HEADS = 2
-HEAD_DIM = 16
-DTYPE = np.float16
-SENTINEL = 0x5A
-
-
-@dataclass(frozen=True)
-class CacheShape:
-    """A paged KV cache: ``[layers, K/V, blocks, block_tokens, heads, head_dim]`` (NHD)."""
-
-    layers: int
-    num_blocks: int
-    block_tokens: int
-
-    @property
-    def token_bytes(self) -> int:
-        return HEADS * HEAD_DIM * np.dtype(DTYPE).itemsize
-
-
-@dataclass(frozen=True)
-class Request:
-    """One transfer: P's blocks cover the whole prompt, D's only tokens from ``d_first``."""
-
-    request_id: str
-    tokens: int
-    p_blocks: tuple[int, ...]
-    d_blocks: tuple[int, ...]
-    d_first: int = 0
-    transfer_id: str | None = None
-
-
-class PagedCache:
-    """A numpy paged KV cache and its kvpush layout."""
-
-    def __init__(self, shape: CacheShape, seed: int | None) -> None:
-        self.shape = shape
-        dims = (shape.layers, 2, shape.num_blocks, shape.block_tokens, HEADS, HEAD_DIM)
-        if seed is None:
-            self.array = np.full(dims, 0, dtype=DTYPE)
-            self.array.view(np.uint8)[...] = SENTINEL
-        else:
-            # P's "computed" KV: every byte differs from its neighbours and from the sentinel.
-            raw = np.random.default_rng(seed).integers(0, 256, self.array_bytes(dims), np.uint8)
-            self.array = raw.view(DTYPE).reshape(dims)
-
-    @staticmethod
-    def array_bytes(dims: tuple[int, ...]) -> int:
-        return int(np.prod(dims)) * np.dtype(DTYPE).itemsize
-
-    def layout(self) -> kvpush.KvLayout:
-        block_bytes = self.shape.block_tokens * self.shape.token_bytes
-        regions = [
-            kvpush.Region(self.array[layer, kv].ctypes.data, block_bytes, self.shape.num_blocks)
-            for layer in range(self.shape.layers)
-            for kv in range(2)
-        ]
-        return kvpush.KvLayout(
-            regions,
-            block_tokens=self.shape.block_tokens,
-            heads=HEADS,
-            head_bytes=HEAD_DIM * np.dtype(DTYPE).itemsize,
-        )
-
-    def memory(self) -> list[tuple[int, int]]:
-        return [(self.array.ctypes.data, self.array.nbytes)]
-
-    def token(self, layer: int, kv: int, blocks: tuple[int, ...], first: int, token: int) -> Any:
-        bt = self.shape.block_tokens
-        return self.array[layer, kv, blocks[(token - first) // bt], token % bt]
-
-
-def expected_destination(
-    p_shape: CacheShape, p_seed: int, d_shape: CacheShape, requests: list[Request]
-) -> np.ndarray:
-    """D's whole cache as an independent per-token copy says it must be after ``requests``."""
-    source = PagedCache(p_shape, p_seed)
-    expected = PagedCache(d_shape, None)
-    for r in requests:
-        for layer in range(p_shape.layers):
-            for kv in range(2):
-                for t in range(r.d_first, r.tokens):
-                    expected.token(layer, kv, r.d_blocks, r.d_first, t)[...] = source.token(
-                        layer, kv, r.p_blocks, 0, t
-                    )
-    return expected.array
+#: The tests' endpoints: heartbeats every 0.2 s and a peer lost after 2 s of silence, so that a
+#: fault is seen in seconds (``Worker.fast_peer_loss``; the benchmark keeps the endpoint's own).
+FAST_PEER_LOSS = {"heartbeat_interval": 0.2, "peer_timeout": 2.0}
 
 
 def event_dict(event: kvpush.TransferEvent) -> dict[str, Any]:
@@ -127,35 +46,42 @@ def event_dict(event: kvpush.TransferEvent) -> dict[str, Any]:
 
 @dataclass
 class Worker:
-    """One worker: its cache and its endpoint. Methods are the commands the tests send."""
+    """One worker: its cache and its endpoint. Methods are the commands the tests send.
+
+    ``seed`` fills the cache with P's bytes, else every word is ``fill`` (the sentinel). The
+    endpoint is ``engine`` (``<role>-engine``) of ``compatibility``, with the tests' heartbeats
+    unless ``fast_peer_loss`` is false; ``options`` (Endpoint keyword arguments: ``write_timeout``,
+    ``agent_name``, ...) replace those defaults."""
 
     role: str
     shape: CacheShape
     seed: int | None
     transport: str
     secret: bytes | None = None
-    # Endpoint keyword arguments that replace the defaults below (``write_timeout``, ...).
     options: dict[str, Any] = field(default_factory=dict)
+    fill: int = SENTINEL_WORD
+    engine: str | None = None
+    compatibility: str = "test-model"
+    fast_peer_loss: bool = True
     cache: PagedCache = field(init=False)
     endpoint: kvpush.Endpoint = field(init=False)
     # D's whole cache as it was when each receive failed or was cancelled (see ``events``).
     at_failure: dict[str, np.ndarray] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.cache = PagedCache(self.shape, self.seed)
+        self.cache = PagedCache(self.shape, self.seed, self.fill)
         options: dict[str, Any] = {
-            "heartbeat_interval": 0.2,
-            "peer_timeout": 2.0,
+            **(FAST_PEER_LOSS if self.fast_peer_loss else {}),
             "agent_name": f"{self.role}-{id(self):x}",
             **self.options,
         }
         self.endpoint = kvpush.Endpoint(
-            f"{self.role}-engine",
+            self.engine or f"{self.role}-engine",
             self.cache.layout(),
             memory=self.cache.memory(),
-            transport=self.transport,  # type: ignore[arg-type]
+            transport=self.transport,
             secret=self.secret,
-            compatibility="test-model",
+            compatibility=self.compatibility,
             **options,
         )
 
@@ -193,7 +119,7 @@ class Worker:
                 ttl=ttl,
             )
 
-    def abort(self, request: Request) -> str:
+    def abort(self, request: Request) -> kvpush.AbortOutcome:
         return self.endpoint.abort(request.request_id, request.transfer_id)
 
     def cancel(self, request_id: str) -> None:
@@ -242,41 +168,46 @@ class Worker:
                 out.append(event)
         return out
 
+    def done(self, request_id: str, timeout: float) -> dict[str, Any]:
+        """Waits (bounded) for ``request_id``'s event, which must be done (RuntimeError if it is
+        not, TimeoutError if none came); events of other requests taken meanwhile are dropped."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for event in self.endpoint.wait(0.05):
+                if event.request_id != request_id:
+                    continue
+                if event.outcome != "done":
+                    raise RuntimeError(
+                        f"kvpush transfer {request_id} on {self.role}: {event.outcome} "
+                        f"({event.reason})"
+                    )
+                return event_dict(event)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kvpush transfer {request_id}: no event in {timeout:.0f} s")
+
     def cache_digest(self) -> str:
         """sha256 of the whole cache's bytes: a canary that any write changes."""
-        return hashlib.sha256(self.cache.array.view(np.uint8).data).hexdigest()
+        return self.cache.digest()
 
     def cache_copy(self) -> np.ndarray:
         """The whole cache's bytes, copied."""
-        copy: np.ndarray = self.cache.array.view(np.uint8).reshape(-1).copy()
-        return copy
+        return self.cache.copy()
 
     def changed_since_failure(self, request_id: str) -> int:
         """Bytes of the whole cache that differ from its snapshot at ``request_id``'s failure
         event (taken by :meth:`events`; KeyError if the receive did not fail)."""
-        now, then = self.cache.array.view(np.uint8).reshape(-1), self.at_failure[request_id]
-        # In slices: a cache of hundreds of MiB is compared without a copy of its own size.
-        step = 16 << 20
-        return sum(
-            int(np.count_nonzero(now[i : i + step] != then[i : i + step]))
-            for i in range(0, now.size, step)
-        )
+        return self.cache.changed_since(self.at_failure[request_id])
 
     def landed(self, stride: int = 1) -> int:
         """Bytes of the cache unlike the sentinel an empty cache holds: what P's WRITEs landed so
         far (P's bytes that equal the sentinel, 1 in 256, are not counted). ``stride`` samples
         every stride-th byte and scales the count: a probe cheap enough to poll mid-WRITE."""
-        sample = self.cache.array.view(np.uint8).reshape(-1)[::stride]
-        return int(np.count_nonzero(sample != SENTINEL)) * stride
+        return self.cache.landed(stride)
 
     def blocks_digest(self, blocks: list[int]) -> str:
         """sha256 of ``blocks``, in the order given, in every layer and K/V: the same on P and D
         when D's blocks hold P's whole (caches of one block size), whatever their size."""
-        digest = hashlib.sha256()
-        for layer in range(self.shape.layers):
-            for kv in range(2):
-                digest.update(self.cache.array[layer, kv, blocks].tobytes())
-        return digest.hexdigest()
+        return self.cache.blocks_digest(blocks)
 
     def verify(self, p_shape: CacheShape, p_seed: int, requests: list[Request]) -> dict[str, int]:
         """Compares D's whole cache with the per-token copy of ``requests``."""
@@ -391,9 +322,10 @@ class RemoteWorker:
     """A worker in its own process (spawned: nothing inherited), driven over a pipe; every wait
     bounded. The worker is a :class:`Worker` or another ``worker_class`` defined at a module's
     top level, built from ``kwargs`` in the child after ``env`` is applied; each of its public
-    methods is a command. ``peer.ready(...)`` sends one and waits for its answer;
-    :meth:`post` and :meth:`reply` split the two, so that both sides of a transfer can run at
-    once. ``wait=None`` leaves the start-up reply (:attr:`hello`) to :meth:`started`."""
+    methods is a command. ``peer.ready(...)`` sends one and waits (``command_wait`` seconds at
+    most) for its answer; :meth:`post` and :meth:`reply` split the two, so that both sides of a
+    transfer can run at once. ``wait=None`` leaves the start-up reply (:attr:`hello`) to
+    :meth:`started`."""
 
     def __init__(
         self,
@@ -402,9 +334,11 @@ class RemoteWorker:
         *,
         name: str = "worker",
         wait: float | None = 60.0,
+        command_wait: float = 60.0,
         **kwargs: Any,
     ) -> None:
         self.name = name
+        self.command_wait = command_wait
         context = mp.get_context("spawn")
         self._connection, child = context.Pipe()
         self._process = context.Process(
@@ -474,7 +408,7 @@ class RemoteWorker:
             raise AttributeError(name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return self.call(name, 60.0, name, *args, **kwargs)
+            return self.call(name, self.command_wait, name, *args, **kwargs)
 
         return call
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvpush_lab.peer import CacheShape, RemoteWorker, Request, Worker
+from kvpush_lab.cache import CacheShape, Request
+from kvpush_lab.peer import RemoteWorker, Worker
 from tests.support.nixl import nixl_or_skip
 
 P_SHAPE = CacheShape(layers=4, num_blocks=256, block_tokens=16)

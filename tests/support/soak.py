@@ -23,7 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush_lab.peer import CacheShape, RemoteWorker, Request
+from kvpush_lab.cache import CacheShape, Request
+from kvpush_lab.peer import RemoteWorker
 from tests.support.faults import rss_bytes
 
 SHAPE = CacheShape(layers=2, num_blocks=8192, block_tokens=16)

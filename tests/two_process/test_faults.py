@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvpush_lab.peer import CacheShape, RemoteWorker, Request, Worker
+from kvpush_lab.cache import CacheShape, Request
+from kvpush_lab.peer import RemoteWorker, Worker
 from tests.support.faults import (
     LOOPBACK,
     Bounds,

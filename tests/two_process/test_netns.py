@@ -23,10 +23,11 @@ from typing import Any
 
 import pytest
 
-from kvpush_lab.peer import NETNS_ENV, CacheShape, RemoteWorker, Request
+from kvpush_lab.cache import Request
+from kvpush_lab.peer import NETNS_ENV, RemoteWorker
 from tests.support.faults import Bounds, Outcomes, TimedFault, fenced_through, wait_for
 from tests.support.nixl import nixl_or_skip
-from tests.support.pair import P_SEED, make_requests
+from tests.support.pair import D_SHAPE, P_SEED, P_SHAPE, make_requests
 
 SECRET = b"shared-secret-of-the-netns-pair"
 PEER_TIMEOUT = 2.0
@@ -41,8 +42,6 @@ TCP_SPAN = 3.0
 HORIZON = PEER_TIMEOUT + WRITE_TIMEOUT + TCP_SPAN + 1.0
 OUTCOME_BOUND = PEER_TIMEOUT + HORIZON + 1.0  # D notices the silence, waits out the horizon, +1
 WATCH = 5.0  # how long D's cache is watched once the link is healed after D's failure
-P_SHAPE = CacheShape(layers=4, num_blocks=256, block_tokens=16)
-D_SHAPE = CacheShape(layers=4, num_blocks=128, block_tokens=32)
 
 
 def ip(*args: str) -> None:

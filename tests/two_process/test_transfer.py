@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 import kvpush
-from kvpush_lab.peer import CacheShape, RemoteWorker, Request, Worker
+from kvpush_lab.cache import CacheShape, Request
+from kvpush_lab.peer import RemoteWorker, Worker
 from tests.support.nixl import nixl_or_skip
 from tests.support.pair import (
     D_SHAPE,

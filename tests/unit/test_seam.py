@@ -7,6 +7,8 @@ import array
 import importlib
 import pickle
 import random
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ ENUMS = (kvpush.Role, kvpush.Outcome, kvpush.Reason, kvpush.AbortOutcome)
 
 
 @pytest.mark.parametrize("enum", ENUMS, ids=lambda enum: enum.__name__)
-def test_each_member_is_its_code_for_equality_hashing_and_str(enum: type) -> None:
+def test_each_member_is_its_code_for_equality_hashing_and_str(enum: Any) -> None:
     members = enum.members()
     assert len({member.value for member in members}) == len(members), "codes are unique"
     for member in members:
@@ -65,7 +67,7 @@ def test_the_reason_codes_are_the_documented_ones() -> None:
     ]
 
 
-def loopback(**settings: object) -> kvpush.Endpoint:
+def loopback(**settings: Any) -> kvpush.Endpoint:
     return kvpush.Endpoint("seam", make_layout(16, 8), memory=[], transport="loopback", **settings)
 
 
@@ -125,7 +127,7 @@ def test_options_are_checked_when_made_and_replace_checks_again() -> None:
 
 def test_an_endpoint_takes_options_or_their_keywords_or_both() -> None:
     options = kvpush.EndpointOptions(transport="loopback", agent_name="seam-agent")
-    for start in (
+    starts: list[Callable[[], kvpush.Endpoint]] = [
         lambda: kvpush.Endpoint("seam", make_layout(16, 8), memory=[], options=options),
         lambda: loopback(agent_name="seam-agent"),
         lambda: kvpush.Endpoint(
@@ -136,7 +138,8 @@ def test_an_endpoint_takes_options_or_their_keywords_or_both() -> None:
             transport="loopback",
             agent_name="seam-agent",
         ),
-    ):
+    ]
+    for start in starts:
         with start() as endpoint:
             assert isinstance(endpoint, kvpush.Endpoint)
             assert endpoint.memory_space == ("dram", 0)
@@ -165,22 +168,26 @@ def test_the_native_endpoint_never_looks_for_nixl_itself() -> None:
         lambda ids: range(ids[0], ids[0] + 1) if len(ids) == 1 else list(ids),
     ],
 )
-def test_block_ids_given_as_buffers_plan_what_lists_plan(as_buffer: object) -> None:
+def test_block_ids_given_as_buffers_plan_what_lists_plan(
+    as_buffer: Callable[[list[int]], Any],
+) -> None:
     rng = random.Random(7)
     planner = lab.Planner(make_layout(16, 64), make_layout(16, 64))
     for _ in range(5):
         count = rng.randint(1, 12)
         src, dst = rng.sample(range(64), count), rng.sample(range(64), count)
         expected = planner.plan("req", 16 * count, [src], [dst]).runs()
-        convert = as_buffer  # type: ignore[assignment]
-        assert planner.plan("req", 16 * count, convert(src), convert(dst)).runs() == expected
-        assert planner.plan("req", 16 * count, [convert(src)], [convert(dst)]).runs() == expected
+        assert planner.plan("req", 16 * count, as_buffer(src), as_buffer(dst)).runs() == expected
+        assert (
+            planner.plan("req", 16 * count, [as_buffer(src)], [as_buffer(dst)]).runs() == expected
+        )
 
 
 def test_a_two_dimensional_array_is_one_group_per_row() -> None:
     layout = make_layout(16, 64)
     planner = lab.Planner(layout, layout)
-    rows = np.array([[3, 4, 5]], dtype=np.int64)
+    # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on: typed as Any.
+    rows: Any = np.array([[3, 4, 5]], dtype=np.int64)
     assert (
         planner.plan("req", 48, rows, rows).runs()
         == planner.plan("req", 48, [[3, 4, 5]], [[3, 4, 5]]).runs()

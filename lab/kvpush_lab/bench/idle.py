@@ -31,10 +31,11 @@ import psutil
 import kvpush
 from kvpush_lab.bench import report
 from kvpush_lab.bench.serving_cpu import comm
-from kvpush_lab.bench.worker import CacheGeometry, nixl_module
+from kvpush_lab.cache import CacheShape
+from kvpush_lab.plain_nixl import nixl_module
 
 SECTION = "Idle cost: the transfer machinery alone"
-GEOMETRY = CacheGeometry(layers=2, blocks=64, block_tokens=16, heads=2, head_dim=64)
+GEOMETRY = CacheShape(layers=2, num_blocks=64, block_tokens=16, heads=2, head_dim=64)
 VARIANTS = ("kvpush", "nixl-vllm-config")
 LABELS = {
     "kvpush": "kvpush endpoints (writer drives NIXL)",

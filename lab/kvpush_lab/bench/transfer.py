@@ -39,7 +39,8 @@ from typing import Any, Literal
 import kvpush
 from kvpush._native import lab
 from kvpush_lab.bench.report import cpu_model, load_average
-from kvpush_lab.bench.worker import BenchWorker, CacheGeometry, Method, WorkerSpec
+from kvpush_lab.bench.worker import BenchWorker, Method
+from kvpush_lab.cache import CacheShape
 from kvpush_lab.peer import PeerError, RemoteWorker
 
 LAYOUTS = ("contiguous", "fragmented")
@@ -82,7 +83,7 @@ class BenchConfig:
     head_dim: int = 128
     seed: int = 0
 
-    def geometry(self) -> CacheGeometry:
+    def geometry(self) -> CacheShape:
         token_bytes = self.heads * self.head_dim * 2
         block_bytes = self.block_kib * 1024
         if block_bytes % token_bytes:
@@ -95,7 +96,7 @@ class BenchConfig:
             )
         if self.repeats < 1:
             raise BenchError("--repeats must be at least 1")
-        return CacheGeometry(
+        return CacheShape(
             self.layers, blocks, block_bytes // token_bytes, self.heads, self.head_dim
         )
 
@@ -135,7 +136,7 @@ class Sample:
 @dataclass
 class BenchResult:
     config: BenchConfig
-    geometry: CacheGeometry
+    geometry: CacheShape
     started: datetime.datetime
     samples: dict[tuple[str, str], list[Sample]] = field(default_factory=dict)
     #: kvpush's planner alone (``Planner.plan`` on the same layouts, in this process), per layout.
@@ -172,7 +173,7 @@ class TransferBench:
     def __init__(self, config: BenchConfig, progress: Callable[[str], None]) -> None:
         self.config = config
         self.geometry = config.geometry()
-        self.orders = block_orders(self.geometry.blocks, config.seed)
+        self.orders = block_orders(self.geometry.num_blocks, config.seed)
         self.progress = progress
         self.sequence = 0
         self.result = BenchResult(config, self.geometry, datetime.datetime.now().astimezone())
@@ -188,7 +189,8 @@ class TransferBench:
                 BenchWorker,
                 name=f"{role.upper()} worker",
                 wait=None,  # both start (allocate, pre-touch) at once; _measure waits
-                spec=WorkerSpec(role, self.geometry, env),
+                role=role,
+                shape=self.geometry,
             )
             for role in ("p", "d")
         )
@@ -206,7 +208,7 @@ class TransferBench:
         hello_p = p.started(STARTUP_TIMEOUT_S)
         hello_d = d.started(STARTUP_TIMEOUT_S)
         self.progress(
-            f"P and D up: {g.bytes / 2**30:.2f} GiB each ({g.layers} layers x K/V x {g.blocks} "
+            f"P and D up: {g.bytes / 2**30:.2f} GiB each ({g.layers} layers x K/V x {g.num_blocks} "
             f"blocks of {g.block_bytes // 1024} KiB), pre-touched in "
             f"{hello_p['pretouch_s']:.2f} s / {hello_d['pretouch_s']:.2f} s"
         )
@@ -245,7 +247,7 @@ class TransferBench:
         comes before NIXL's post (which, under cma, also does the copy)."""
         g = self.geometry
         planner = lab.Planner(g.layout(p_base), g.layout(d_base))
-        tokens = g.blocks * g.block_tokens
+        tokens = g.num_blocks * g.block_tokens
         for layout, (p_blocks, d_blocks) in self.orders.items():
             times = []
             for _ in range(max(5, self.config.repeats)):
@@ -411,7 +413,7 @@ def report(result: BenchResult) -> str:
     g = result.geometry
     c = result.config
     lines = [
-        f"One request of {g.bytes:,} B: {g.layers} layers x K/V x {g.blocks:,} blocks of "
+        f"One request of {g.bytes:,} B: {g.layers} layers x K/V x {g.num_blocks:,} blocks of "
         f"{g.block_bytes // 1024} KiB ({g.descriptors:,} blocks), P to D in two processes; "
         f"UCX: {c.ucx_tls}. Each cell: best / median of {c.repeats} "
         f"repeat{'s' if c.repeats > 1 else ''} (after a warm-up).",

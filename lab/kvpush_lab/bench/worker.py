@@ -1,203 +1,67 @@
 """One side (P or D) of the data-path benchmark, in its own process.
 
-A worker holds a paged KV cache in numpy, written page by page before anything is timed, and
-two ways of moving it over the same memory: a kvpush :class:`~kvpush.Endpoint` (native writer
-thread) and a plain NIXL agent driven from Python the way vLLM's connector drives one. The
-coordinator (:mod:`kvpush_lab.bench.transfer`) runs each in its own process with the tests' peer
-(:class:`kvpush_lab.peer.RemoteWorker`); each command (a public method) runs one half of one
-transfer and returns its timings.
+A worker is the tests' peer (:class:`kvpush_lab.peer.Worker`: a paged KV cache in numpy, written
+page by page before anything is timed, and a kvpush :class:`~kvpush.Endpoint` with its native
+writer thread) plus a plain NIXL agent over the same memory, driven from Python the way vLLM's
+connector drives one. The coordinator (:mod:`kvpush_lab.bench.transfer`) runs each in its own
+process (:class:`kvpush_lab.peer.RemoteWorker`); each command (a public method) runs one half of
+one transfer and returns its timings.
 
-Both paths poll at the cadence of kvpush's writer thread (:data:`POLL_INTERVAL`), and the Python
-agents run without NIXL's progress thread: that thread busy-spins a whole core (its poll delay is
-hard-wired to 0 in the Python API), which on a small machine would slow both paths and measure
-the scheduler instead of the transfer. Without it, whoever waits must progress the agent, so
-every wait below polls.
+Both paths poll at the cadence of kvpush's writer thread, and the Python agents run without
+NIXL's progress thread (:mod:`kvpush_lab.plain_nixl` says why), so every wait below polls.
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
-import os
 import time
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-import kvpush
-from kvpush.exceptions import NixlUnavailableError
+from kvpush_lab.cache import CacheShape
+from kvpush_lab.peer import Worker
+from kvpush_lab.plain_nixl import PlainAgent, nixl_module
 
-#: How often a waiting side polls: kvpush's writer thread polls every 200 µs while a write is in
-#: flight or a DONE awaited, so the Python baseline does the same.
-POLL_INTERVAL = 200e-6
-
-#: The element type of the cache (fp16 K and V).
-DTYPE = np.float16
+#: Every 64-bit word of each side's cache before the first stamp.
+FILLS = {"p": 0x0123_4567_89AB_CDEF, "d": 0}
 
 Role = Literal["p", "d"]
 Method = Literal["prepped", "initialize"]
-IndexArray = npt.NDArray[np.int64]
 
 
-@dataclass(frozen=True)
-class CacheGeometry:
-    """A paged KV cache ``[layers, K/V, blocks, block_tokens, heads, head_dim]``: one region
-    (array of blocks) per layer and K or V, all back to back in one buffer."""
+class BenchWorker(Worker):
+    """P or D: the tests' worker (the cache, stamped per repeat, and its kvpush endpoint, with
+    the endpoint's own heartbeats) and a plain NIXL agent over the same memory. Public methods
+    are the commands the coordinator sends."""
 
-    layers: int
-    blocks: int
-    block_tokens: int
-    heads: int
-    head_dim: int
-
-    @property
-    def regions(self) -> int:
-        return 2 * self.layers
-
-    @property
-    def head_bytes(self) -> int:
-        return self.head_dim * np.dtype(DTYPE).itemsize
-
-    @property
-    def block_bytes(self) -> int:
-        return self.block_tokens * self.heads * self.head_bytes
-
-    @property
-    def bytes(self) -> int:
-        return self.regions * self.blocks * self.block_bytes
-
-    @property
-    def descriptors(self) -> int:
-        """Blocks over all regions: the descriptors of a whole-cache request before merging."""
-        return self.regions * self.blocks
-
-    @property
-    def dims(self) -> tuple[int, ...]:
-        return (self.layers, 2, self.blocks, self.block_tokens, self.heads, self.head_dim)
-
-    def layout(self, base: int) -> kvpush.KvLayout:
-        region_bytes = self.blocks * self.block_bytes
-        regions = [
-            kvpush.Region(base + r * region_bytes, self.block_bytes, self.blocks)
-            for r in range(self.regions)
-        ]
-        return kvpush.KvLayout(
-            regions, block_tokens=self.block_tokens, heads=self.heads, head_bytes=self.head_bytes
-        )
-
-    def block_indices(self, blocks: IndexArray) -> npt.NDArray[np.int32]:
-        """Indices into a list of every block of every region (region-major), for ``blocks`` of
-        each region in turn: what vLLM's connector hands ``make_prepped_xfer``."""
-        rows = np.arange(self.regions, dtype=np.int64)[:, None] * self.blocks
-        indices: npt.NDArray[np.int32] = (rows + blocks[None, :]).ravel().astype(np.int32)
-        return indices
-
-
-class PagedCache:
-    """The cache's memory, pre-touched, with a stamp in the first 8 bytes of every block.
-
-    P stamps each block with the repeat's sequence number and the block's own index before a
-    transfer; D then checks that the block it named for each position holds the stamp of P's
-    block at that position. That catches a transfer that wrote nothing, wrote the wrong blocks
-    or is left over from an earlier repeat, at the cost of one gather per repeat.
-    """
-
-    def __init__(self, geometry: CacheGeometry, fill: int) -> None:
-        self.geometry = geometry
-        self.array = np.empty(geometry.dims, dtype=DTYPE)
-        words = self.array.reshape(-1).view(np.uint64)
-        started = time.perf_counter()
-        # Writes every page now: first-touch faults cost 0.3-5 s per GiB on a small VM and
-        # would otherwise land in whichever transfer touches the page first.
-        words.fill(fill)
-        self.pretouch_s = time.perf_counter() - started
-        self._stamps = words.reshape(geometry.regions, geometry.blocks, -1)[:, :, 0]
-        self._ids = np.arange(geometry.descriptors, dtype=np.uint64).reshape(
-            geometry.regions, geometry.blocks
-        )
-
-    @property
-    def address(self) -> int:
-        return int(self.array.ctypes.data)
-
-    def stamp(self, sequence: int) -> None:
-        self._stamps[...] = np.uint64(sequence << 32) | self._ids
-
-    def wrong_blocks(self, sequence: int, p_blocks: IndexArray, d_blocks: IndexArray) -> int:
-        """Blocks of D (named in ``d_blocks``) not holding P's stamp for ``sequence``."""
-        expected = np.uint64(sequence << 32) | self._ids[:, p_blocks]
-        return int(np.count_nonzero(self._stamps[:, d_blocks] != expected))
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker process is started with."""
-
-    role: Role
-    geometry: CacheGeometry
-    env: dict[str, str]
-
-
-def nixl_module() -> Any:
-    """NIXL's Python API from the wheel kvpush's native side loads too, so both share one UCX."""
-    for name in kvpush.nixl.WHEEL_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if "NIXL_LOG_LEVEL" not in os.environ:
-            # Its INFO lines (one per agent and backend) would interleave with the progress.
-            logging.getLogger("nixl").setLevel(logging.WARNING)
-        return module
-    raise NixlUnavailableError(
-        f"no NIXL Python API found ({', '.join(kvpush.nixl.WHEEL_MODULES)}): the benchmark "
-        "compares kvpush with NIXL driven from Python; pip install nixl-cu12"
-    )
-
-
-def _seconds_left(deadline: float, what: str) -> None:
-    if time.monotonic() > deadline:
-        raise TimeoutError(what)
-
-
-class BenchWorker:
-    """P or D: the cache, its kvpush endpoint and its plain NIXL agent. Public methods are the
-    commands the coordinator sends."""
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.role = spec.role
-        self.geometry = spec.geometry
+    def __init__(self, role: Role, shape: CacheShape) -> None:
         # Imported before the endpoint exists, so kvpush loads this wheel's C API (one UCX).
-        nixl = nixl_module()
-        self.cache = PagedCache(spec.geometry, 0x0123_4567_89AB_CDEF if self.role == "p" else 0)
-        memory = [(self.cache.address, self.cache.array.nbytes)]
-        self.endpoint = kvpush.Endpoint(
-            f"bench-{self.role}",
-            spec.geometry.layout(self.cache.address),
-            memory=memory,
+        nixl_module()
+        super().__init__(
+            role,
+            shape,
+            seed=None,
             transport="nixl",
-            agent_name=f"bench-{self.role}-kvpush",
+            options={"agent_name": f"bench-{role}-kvpush"},
+            fill=FILLS[role],
+            engine=f"bench-{role}",
             compatibility="kvpush-bench",
+            fast_peer_loss=False,
         )
-        config = nixl.nixl_agent_config(
-            enable_prog_thread=False, capture_telemetry=True, backends=["UCX"]
+        self.nixl = PlainAgent(
+            f"bench-{role}-nixl", self.cache.address, self.cache.array.nbytes, telemetry=True
         )
-        self.agent = nixl.nixl_agent(f"bench-{self.role}-nixl", config)
-        whole = np.array([[self.cache.address, self.cache.array.nbytes, 0]], dtype=np.uint64)
-        self.registration = self.agent.register_memory(whole, "DRAM")
-        self.peer: str | None = None
+        self.agent = self.nixl.agent
         self.peer_base = 0
         self.prepped: tuple[Any, Any] | None = None
-        self.inbox: list[bytes] = []
 
     # ---- setup ------------------------------------------------------------------------------
 
     def hello(self) -> dict[str, Any]:
         return {
             "address": self.endpoint.address,
-            "nixl_metadata": self.agent.get_agent_metadata(),
+            "nixl_metadata": self.nixl.metadata(),
             "base": self.cache.address,
             "pretouch_s": self.cache.pretouch_s,
         }
@@ -205,25 +69,25 @@ class BenchWorker:
     def connect(self, peer: dict[str, Any]) -> dict[str, float]:
         """Loads the peer's NIXL metadata; P also prepares both global descriptor lists (one
         descriptor per block per region), once, as vLLM does when a peer is added."""
-        self.peer = self.agent.add_remote_agent(peer["nixl_metadata"])
+        remote_agent = self.nixl.connect(peer["nixl_metadata"])
         self.peer_base = int(peer["base"])
         if self.role == "d":
             return {}
         started = time.perf_counter()
-        every = np.arange(self.geometry.descriptors, dtype=np.int64)
+        every = np.arange(self.shape.descriptors, dtype=np.int64)
         local = self._descriptors(self.cache.address, every)
         remote = self._descriptors(self.peer_base, every)
         self.prepped = (
             self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM"),
-            self.agent.prep_xfer_dlist(self.peer, remote, "DRAM"),
+            self.agent.prep_xfer_dlist(remote_agent, remote, "DRAM"),
         )
         return {"prep_dlists_s": time.perf_counter() - started}
 
     def _descriptors(self, base: int, indices: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
         """``(address, length, device)`` rows for blocks at ``indices`` of the region-major list."""
         rows = np.zeros((len(indices), 3), dtype=np.uint64)
-        rows[:, 0] = base + indices.astype(np.uint64) * np.uint64(self.geometry.block_bytes)
-        rows[:, 1] = self.geometry.block_bytes
+        rows[:, 0] = base + indices.astype(np.uint64) * np.uint64(self.shape.block_bytes)
+        rows[:, 1] = self.shape.block_bytes
         return rows
 
     # ---- kvpush -----------------------------------------------------------------------------
@@ -233,7 +97,7 @@ class BenchWorker:
     ) -> None:
         """P: the request's KV is computed (stamped), so the write starts when D registers."""
         self.cache.stamp(sequence)
-        tokens = len(blocks) * self.geometry.block_tokens
+        tokens = len(blocks) * self.shape.block_tokens
         self.endpoint.ready(request_id, [blocks], tokens, transfer_id=transfer_id, ttl=60.0)
 
     def kvpush_receive(
@@ -247,34 +111,20 @@ class BenchWorker:
         timeout: float,
     ) -> dict[str, Any]:
         """D: registers its blocks and waits (bounded) for the KV; returns D's view."""
-        tokens = len(d_blocks) * self.geometry.block_tokens
+        tokens = len(d_blocks) * self.shape.block_tokens
         started = self.endpoint.clock()
         self.endpoint.expect(
             request_id, source, [d_blocks], tokens, transfer_id=transfer_id, ttl=timeout
         )
-        event = self._kvpush_event(request_id, timeout)
-        received = event.timeline["completed"] - started
+        event = self.done(request_id, timeout)
+        received = event["timeline"]["completed"] - started
         wrong = self.cache.wrong_blocks(sequence, np.asarray(p_blocks), np.asarray(d_blocks))
-        return {"d_view_s": received, "bytes": event.bytes, "wrong_blocks": wrong}
+        return {"d_view_s": received, "bytes": event["bytes"], "wrong_blocks": wrong}
 
     def kvpush_sent(self, request_id: str, timeout: float) -> dict[str, Any]:
         """P: the send event of ``request_id``: its timeline, bytes and descriptor runs."""
-        event = self._kvpush_event(request_id, timeout)
-        return {"timeline": dict(event.timeline), "bytes": event.bytes, "runs": event.runs}
-
-    def _kvpush_event(self, request_id: str, timeout: float) -> kvpush.TransferEvent:
-        deadline = time.monotonic() + timeout
-        while True:
-            for event in self.endpoint.wait(0.05):
-                if event.request_id != request_id:
-                    continue
-                if event.outcome != "done":
-                    raise RuntimeError(
-                        f"kvpush transfer {request_id} on {self.role}: {event.outcome} "
-                        f"({event.reason})"
-                    )
-                return event
-            _seconds_left(deadline, f"kvpush transfer {request_id}: no event in {timeout:.0f} s")
+        event = self.done(request_id, timeout)
+        return {"timeline": event["timeline"], "bytes": event["bytes"], "runs": event["runs"]}
 
     # ---- plain NIXL from Python -------------------------------------------------------------
 
@@ -283,42 +133,34 @@ class BenchWorker:
     ) -> dict[str, Any]:
         """P: waits for D's go (carrying D's block ids), then WRITEs the request with a
         completion notification and polls it to DONE."""
-        if self.peer is None or self.prepped is None:
+        if self.nixl.peer is None or self.prepped is None:
             raise RuntimeError("nixl_send before connect: P has no peer or descriptor lists")
         self.cache.stamp(sequence)
         p_blocks = np.asarray(blocks, dtype=np.int64)
         deadline = time.monotonic() + timeout
-        payload = self._await_notification(f"go:{tag}:".encode(), deadline)
+        payload = self.nixl.await_notification(f"go:{tag}:".encode(), deadline, self.role)
         d_blocks = np.frombuffer(payload, dtype=np.int32).astype(np.int64)
         done = f"done:{tag}".encode()
 
         started = time.perf_counter()
-        local = self.geometry.block_indices(p_blocks)
-        remote = self.geometry.block_indices(d_blocks)
+        local = self.shape.block_indices(p_blocks)
+        remote = self.shape.block_indices(d_blocks)
         if method == "prepped":
             local_list, remote_list = self.prepped
             handle = self.agent.make_prepped_xfer(
                 "WRITE", local_list, local, remote_list, remote, notif_msg=done
             )
         else:
-            local_descs = self.agent.get_xfer_descs(
-                self._descriptors(self.cache.address, local), "DRAM"
+            local_descs = self.nixl.descriptors(self._descriptors(self.cache.address, local))
+            remote_descs = self.nixl.descriptors(self._descriptors(self.peer_base, remote))
+            handle = self.agent.initialize_xfer(
+                "WRITE", local_descs, remote_descs, self.nixl.peer, done
             )
-            remote_descs = self.agent.get_xfer_descs(
-                self._descriptors(self.peer_base, remote), "DRAM"
-            )
-            handle = self.agent.initialize_xfer("WRITE", local_descs, remote_descs, self.peer, done)
         built = time.perf_counter()
         state = self.agent.transfer(handle)
         posted = time.perf_counter()
-        while state == "PROC":
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"NIXL WRITE {tag}: not DONE in {timeout:.0f} s")
-            time.sleep(POLL_INTERVAL)
-            state = self.agent.check_xfer_state(handle)
+        self.nixl.complete(handle, state, deadline, tag)
         completed = time.perf_counter()
-        if state != "DONE":
-            raise RuntimeError(f"NIXL WRITE {tag} ended in state {state}")
         telemetry = self.agent.get_xfer_telemetry(handle)
         self.agent.release_xfer_handle(handle)
         return {
@@ -334,30 +176,16 @@ class BenchWorker:
     ) -> dict[str, Any]:
         """D: sends P the go with its block ids, then waits (bounded) for the WRITE's
         completion notification."""
-        if self.peer is None:
+        if self.nixl.peer is None:
             raise RuntimeError("nixl_receive before connect: D has no peer")
         go = f"go:{tag}:".encode() + np.asarray(d_blocks, dtype=np.int32).tobytes()
         deadline = time.monotonic() + timeout
         started = time.perf_counter()
-        self.agent.send_notif(self.peer, go)
-        self._await_notification(f"done:{tag}".encode(), deadline)
+        self.nixl.notify(go)
+        self.nixl.await_notification(f"done:{tag}".encode(), deadline, self.role)
         received = time.perf_counter() - started
         wrong = self.cache.wrong_blocks(sequence, np.asarray(p_blocks), np.asarray(d_blocks))
         return {"d_view_s": received, "wrong_blocks": wrong}
-
-    def _await_notification(self, prefix: bytes, deadline: float) -> bytes:
-        """The rest of the first notification starting with ``prefix``. Polling is what
-        progresses the agent; notifications for later requests are kept."""
-        while True:
-            for i, message in enumerate(self.inbox):
-                if message.startswith(prefix):
-                    del self.inbox[i]
-                    return message[len(prefix) :]
-            for messages in self.agent.get_new_notifs().values():
-                self.inbox.extend(messages)
-            if not any(m.startswith(prefix) for m in self.inbox):
-                _seconds_left(deadline, f"{self.role}: no NIXL notification {prefix!r} in time")
-                time.sleep(POLL_INTERVAL)
 
     # ---- teardown ---------------------------------------------------------------------------
 
@@ -368,9 +196,6 @@ class BenchWorker:
                 for handle in self.prepped:
                     self.agent.release_dlist_handle(handle)
                 self.prepped = None
-            if self.peer is not None:
-                self.agent.remove_remote_agent(self.peer)
-                self.peer = None
-            self.agent.deregister_memory(self.registration)
+            self.nixl.close()
         finally:
-            self.endpoint.close()
+            super().close()

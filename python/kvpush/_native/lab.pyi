@@ -5,6 +5,8 @@ import builtins
 from collections.abc import Sequence
 from typing import Any, Literal, final
 
+from typing_extensions import Buffer
+
 from kvpush._native import KvLayout
 
 __all__ = [
@@ -19,6 +21,10 @@ __all__ = [
     "RendezvousTable",
     "frame_length",
 ]
+
+#: Block ids: a sequence of ints or a buffer of integers, per KV group or flat for one group.
+_BlockIds = Sequence[int] | Buffer
+_Blocks = Sequence[_BlockIds] | _BlockIds
 
 # --- planning -------------------------------------------------------------------------------
 
@@ -50,8 +56,8 @@ class Planner:
         self,
         request: str,
         num_tokens: int,
-        src_blocks: Sequence[Sequence[int]] | Sequence[int],
-        dst_blocks: Sequence[Sequence[int]] | Sequence[int],
+        src_blocks: _Blocks,
+        dst_blocks: _Blocks,
         *,
         src_first_tokens: Sequence[int] | None = None,
         dst_first_tokens: Sequence[int] | None = None,
