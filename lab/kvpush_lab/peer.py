@@ -31,11 +31,12 @@ FAST_PEER_LOSS = {"heartbeat_interval": 0.2, "peer_timeout": 2.0}
 
 
 def event_dict(event: kvpush.TransferEvent) -> dict[str, Any]:
+    """The event as plain data (codes, not members): it crosses processes and goes into JSON."""
     return {
-        "role": event.role,
+        "role": event.role.value,
         "request_id": event.request_id,
         "key": event.key,
-        "outcome": event.outcome,
+        "outcome": event.outcome.value,
         "reason": event.reason,
         "code": event.code.value if event.code is not None else None,
         "bytes": event.bytes,
