@@ -76,9 +76,9 @@ def _not_installed(name: str) -> int:
 
 
 def _proxy(args: argparse.Namespace) -> int:
-    from kvpush import proxy
+    from kvpush.router import http
 
-    return proxy.run(args)
+    return http.run(args)
 
 
 def _version(_args: argparse.Namespace) -> int:
@@ -108,7 +108,7 @@ def build_parser(added: dict[str, Command] | None = None) -> argparse.ArgumentPa
         added_command = commands.add_parser(name, help=command.help, add_help=False)
         added_command.add_argument("arguments", nargs=argparse.REMAINDER)
 
-    from kvpush import proxy
+    from kvpush.router import http
 
     proxy_command = commands.add_parser(
         "proxy",
@@ -123,7 +123,7 @@ def build_parser(added: dict[str, Command] | None = None) -> argparse.ArgumentPa
             "legs in flight. Logs one line per request."
         ),
     )
-    proxy.add_arguments(proxy_command)
+    http.add_arguments(proxy_command)
     proxy_command.set_defaults(run=_proxy)
 
     version = commands.add_parser("version", help="print the kvpush and protocol versions")

@@ -123,7 +123,7 @@ print("FAILED-IMPORTS", json.dumps(failed))
     failed = json.loads(line.removeprefix("FAILED-IMPORTS "))
     assert {root.partition(".")[0] for root in failed.values()} <= {"vllm", "torch"}, failed
     assert "kvpush.cli" not in failed
-    assert "kvpush.proxy" not in failed
+    assert "kvpush.router.http" not in failed
 
 
 def imported_names(tree: ast.AST) -> list[str]:
