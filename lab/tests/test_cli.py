@@ -4,6 +4,8 @@ declares, each handing its arguments to the lab's own parser."""
 from __future__ import annotations
 
 import importlib.metadata
+import subprocess
+import sys
 
 import pytest
 
@@ -39,3 +41,14 @@ def test_kvpush_runs_a_lab_command(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["model", "--help"])
     assert exited.value.code == 0
     assert "usage: kvpush model " in capsys.readouterr().out
+
+
+def test_kvpushs_own_commands_import_nothing_of_the_lab() -> None:
+    code = (
+        "import sys\nfrom kvpush.cli import main\nmain(['version'])\n"
+        "assert 'kvpush_lab' not in sys.modules, 'kvpush version imported the lab'"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

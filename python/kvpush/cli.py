@@ -133,14 +133,16 @@ def build_parser(added: dict[str, Command] | None = None) -> argparse.ArgumentPa
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else list(argv)
-    if arguments and arguments[0] not in OWN_COMMANDS:
+    own = bool(arguments) and arguments[0] in OWN_COMMANDS
+    if arguments and not own:
         entry = _added_commands().get(arguments[0])
         command = _load(entry) if entry is not None else None
         if command is not None:
             return command.main(arguments[1:])
         if arguments[0] in LAB_COMMANDS:
             return _not_installed(arguments[0])
-    args = build_parser().parse_args(arguments)
+    # kvpush's own commands load no other package's; --help and mistakes list them all.
+    args = build_parser({} if own else None).parse_args(arguments)
     code: int = args.run(args)
     return code
 
