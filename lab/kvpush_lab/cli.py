@@ -1,8 +1,8 @@
 """``kvpush demo``, ``kvpush bench`` and ``kvpush model``: the lab's commands.
 
-The product's CLI (:mod:`kvpush.cli`) hands these commands over to :func:`main` when the lab is
-installed, with the command line as it was typed; ``kvpush-lab`` and
-``python -m kvpush_lab.cli`` run them too.
+The product's CLI (:mod:`kvpush.cli`) finds them through the ``kvpush.commands`` entry points
+the lab declares (lab/pyproject.toml: :data:`DEMO`, :data:`BENCH`, :data:`MODEL`) and hands
+each its arguments untouched; ``kvpush-lab`` and ``python -m kvpush_lab.cli`` run them too.
 """
 
 from __future__ import annotations
@@ -10,10 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-
-#: The commands this module answers (the product's CLI hands exactly these over).
-COMMANDS = ("demo", "bench", "model")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -153,6 +151,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     code: int = args.run(args)
     return code
+
+
+@dataclass(frozen=True)
+class Command:
+    """One of the lab's commands as ``kvpush`` lists it (``help``) and runs it (``main``)."""
+
+    name: str
+    help: str
+
+    def main(self, argv: Sequence[str]) -> int:
+        """Runs ``kvpush NAME ARGV...``: ``argv`` are the arguments after the command's name."""
+        return main([self.name, *argv])
+
+
+DEMO = Command(
+    "demo", "a vLLM prefill/decode pair on localhost with kvpush (--core: the core alone)"
+)
+BENCH = Command("bench", "benchmarks against the baselines kvpush replaces (tables and ratios)")
+MODEL = Command(
+    "model", "make a tiny random-weight model locally: kvpush model make PATH [--layers N ...]"
+)
+#: The commands this module answers, each an entry point of ``kvpush.commands``.
+COMMANDS = (DEMO, BENCH, MODEL)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 import kvpush
-from kvpush.proxy import PrefillInstance, ProxyServer
+from kvpush.router import PrefillInstance
+from kvpush.router.http import ProxyServer
 from kvpush_lab.servers import (
     HOST,
     Metrics,

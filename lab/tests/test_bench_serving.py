@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.proxy import PrefillInstance
+from kvpush.router import PrefillInstance
 from kvpush_lab.bench import serving, serving_cpu, serving_report, serving_result
 from kvpush_lab.bench.serving_client import (
     Route,

@@ -1,44 +1,84 @@
-"""The ``kvpush`` command line."""
+"""The ``kvpush`` command line.
+
+Its own commands are ``proxy`` and ``version``. Other packages add commands through the
+:data:`COMMANDS_GROUP` entry-point group: kvpush's lab (``kvpush_lab``, its own package, which
+the product never imports) adds ``demo``, ``bench`` and ``model`` there, and each is handed its
+arguments untouched when asked for.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Sequence
+from typing import Protocol
 
 import kvpush
 
-#: Commands of kvpush's lab (``kvpush_lab``, its own package): the product never imports it, and
-#: hands these commands over to it, arguments and all, when it is installed.
-LAB_COMMANDS = {
-    "demo": "a vLLM prefill/decode pair on localhost with kvpush (--core: the core alone)",
-    "bench": "benchmarks against the baselines kvpush replaces (tables and ratios)",
-    "model": "make a tiny random-weight model locally: kvpush model make PATH [--layers N ...]",
-}
+#: The entry-point group of the commands other packages add to ``kvpush``. Each entry names an
+#: object shaped like :class:`Command`, e.g. ``demo = "kvpush_lab.cli:DEMO"``.
+COMMANDS_GROUP = "kvpush.commands"
+
+#: The lab's commands, named only so that asking for one without the lab installed says where
+#: it is (their help and their code come from the lab, through :data:`COMMANDS_GROUP`).
+LAB_COMMANDS = ("demo", "bench", "model")
+
+#: kvpush's own commands, which no added command replaces.
+OWN_COMMANDS = ("proxy", "version")
 
 
-def _lab(argv: Sequence[str]) -> int:
-    """Runs ``argv`` (``demo ...``, ``bench ...``, ``model ...``) with the lab's CLI."""
+class Command(Protocol):
+    """A command added through :data:`COMMANDS_GROUP`."""
+
+    @property
+    def help(self) -> str:
+        """Its line in ``kvpush --help``."""
+        ...
+
+    def main(self, argv: Sequence[str]) -> int:
+        """Runs the command with the arguments after its name; the exit code."""
+        ...
+
+
+def _added_commands() -> dict[str, importlib.metadata.EntryPoint]:
+    """The commands installed packages add, by name in name order (the metadata's order is
+    the packager's); the first of a name wins, and none replaces one of kvpush's own."""
+    added: dict[str, importlib.metadata.EntryPoint] = {}
+    for entry in importlib.metadata.entry_points(group=COMMANDS_GROUP):
+        if entry.name not in OWN_COMMANDS:
+            added.setdefault(entry.name, entry)
+    return dict(sorted(added.items()))
+
+
+def _load(entry: importlib.metadata.EntryPoint) -> Command | None:
+    """The entry's command; None when its package is gone though its metadata is not (as if it
+    were not installed). Anything else it lacks raises: its own error says what."""
     try:
-        from kvpush_lab import cli as lab_cli
+        command: Command = entry.load()
     except ModuleNotFoundError as error:
-        if error.name != "kvpush_lab":
-            raise  # the lab is there but something it needs is not: its own error says what
-        print(
-            f"kvpush {argv[0]}: this command is part of kvpush's lab (demos, benchmarks, model "
-            "tools), which is not installed here. Install it with `pip install kvpush-lab` "
-            "(from a source checkout: `pip install -e lab`), or run it from a source checkout "
-            f"with `scripts/dev {argv[0]}`, which sets everything up.",
-            file=sys.stderr,
-        )
-        return 2
-    return lab_cli.main(argv)
+        package = entry.value.partition(":")[0].partition(".")[0]
+        if error.name is None or error.name.partition(".")[0] != package:
+            raise
+        return None
+    return command
+
+
+def _not_installed(name: str) -> int:
+    print(
+        f"kvpush {name}: this command is part of kvpush's lab (demos, benchmarks, model "
+        "tools), which is not installed here. Install it with `pip install kvpush-lab` "
+        "(from a source checkout: `pip install -e lab`), or run it from a source checkout "
+        f"with `scripts/dev {name}`, which sets everything up.",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def _proxy(args: argparse.Namespace) -> int:
-    from kvpush import proxy
+    from kvpush.router import http
 
-    return proxy.run(args)
+    return http.run(args)
 
 
 def _version(_args: argparse.Namespace) -> int:
@@ -52,18 +92,23 @@ def _version(_args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(added: dict[str, Command] | None = None) -> argparse.ArgumentParser:
+    """The parser of kvpush's own commands, with ``added`` (by default: every installed
+    package's, see :data:`COMMANDS_GROUP`) listed first."""
+    if added is None:
+        loaded = {name: _load(entry) for name, entry in _added_commands().items()}
+        added = {name: command for name, command in loaded.items() if command is not None}
     parser = argparse.ArgumentParser(
         prog="kvpush", description="Push-based KV-cache transfer for disaggregated vLLM serving."
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    for name, summary in LAB_COMMANDS.items():
-        # Help and arguments are the lab's: they pass through untouched (see main).
-        lab_command = commands.add_parser(name, help=summary, add_help=False)
-        lab_command.add_argument("arguments", nargs=argparse.REMAINDER)
+    for name, command in added.items():
+        # Help and arguments are the command's own: they pass through untouched (see main).
+        added_command = commands.add_parser(name, help=command.help, add_help=False)
+        added_command.add_argument("arguments", nargs=argparse.REMAINDER)
 
-    from kvpush import proxy
+    from kvpush.router import http
 
     proxy_command = commands.add_parser(
         "proxy",
@@ -78,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
             "legs in flight. Logs one line per request."
         ),
     )
-    proxy.add_arguments(proxy_command)
+    http.add_arguments(proxy_command)
     proxy_command.set_defaults(run=_proxy)
 
     version = commands.add_parser("version", help="print the kvpush and protocol versions")
@@ -88,9 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else list(argv)
-    if arguments and arguments[0] in LAB_COMMANDS:
-        return _lab(arguments)
-    args = build_parser().parse_args(arguments)
+    own = bool(arguments) and arguments[0] in OWN_COMMANDS
+    if arguments and not own:
+        entry = _added_commands().get(arguments[0])
+        command = _load(entry) if entry is not None else None
+        if command is not None:
+            return command.main(arguments[1:])
+        if arguments[0] in LAB_COMMANDS:
+            return _not_installed(arguments[0])
+    # kvpush's own commands load no other package's; --help and mistakes list them all.
+    args = build_parser({} if own else None).parse_args(arguments)
     code: int = args.run(args)
     return code
 

@@ -101,7 +101,8 @@ def behind_proxy(
 ) -> Iterator[Pair]:
     """Starts P (engine ``engine_id``, ``tp`` ranks) and D with ``kvpush proxy`` in front of
     them, and always stops all three."""
-    from kvpush.proxy import PrefillInstance, ProxyServer
+    from kvpush.router import PrefillInstance
+    from kvpush.router.http import ProxyServer
 
     with running(prefill, decode, timeout_s=timeout_s):
         instance = PrefillInstance(prefill.url, engine_id, HOST, prefill.side_channel_port, tp=tp)

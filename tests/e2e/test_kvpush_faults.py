@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.proxy import PrefillInstance, decode_body, prefill_body
+from kvpush.router import PrefillInstance, decode_body, prefill_body
 from tests.e2e.harness import (
     ON_VLLM,
     PrefillEndpoint,

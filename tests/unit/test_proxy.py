@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from kvpush import cli
-from kvpush.proxy import PrefillInstance, ProxyServer, Timeouts, parse_prefill
-from kvpush.router import RouterThread, complete_once
+from kvpush.router import PrefillInstance, RouterThread, Timeouts, complete_once, parse_prefill
+from kvpush.router.http import ProxyServer
 from tests.support.fake_http import Fake, FakeHandler, Received, Respond, answer
 
 JSON = dict[str, Any]

@@ -18,10 +18,11 @@ import pytest
 import kvpush
 from kvpush._native import lab
 from kvpush.exceptions import ConfigError, KvPushError, LayoutError
-from kvpush.vllm import _stats, _worker
+from kvpush.vllm import _stats, config
 from kvpush.vllm._layout import CacheGroups, Model, TensorView, layout_from_caches, views_by_group
 from kvpush.vllm._scheduler import PushScheduler
-from kvpush.vllm._worker import THREAD_CPUS_ENV, PushWorker, WorkerConfig, load_secret
+from kvpush.vllm._worker import PushWorker
+from kvpush.vllm.config import THREAD_CPUS_ENV, WorkerConfig, load_secret
 
 HEADS, HEAD = 2, 4  # KV heads per rank, head size (float32)
 
@@ -486,11 +487,11 @@ def test_endpoint_threads_leave_the_core_vllm_pinned_the_worker_to(
 
 
 def test_thread_cpu_setting_is_checked() -> None:
-    assert _worker.cpu_list("0,2-4") == {0, 2, 3, 4}
+    assert config.cpu_list("0,2-4") == {0, 2, 3, 4}
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(THREAD_CPUS_ENV, "two")
         with pytest.raises(KvPushError, match="KVPUSH_THREAD_CPUS='two'"):
-            _worker.native_thread_cpus()
+            config.native_thread_cpus()
 
 
 class TensorStandIn:
@@ -603,8 +604,8 @@ class EndpointSpy:
 
 
 def test_a_step_that_computes_nothing_waits_for_the_transfer_instead_of_spinning() -> None:
-    from kvpush.vllm._scheduler import PushMetadata
     from kvpush.vllm._worker import IDLE_STEP_WAIT
+    from kvpush.vllm.metadata import PushMetadata
 
     p_caches, d_caches = cpu_caches(2, 16, 32, seed=3), cpu_caches(2, 16, 32, seed=None)
     p, d = worker("prefill-idle", p_caches, 32, 0), worker("decode-idle", d_caches, 32, 0)
@@ -648,8 +649,8 @@ def test_a_steps_idleness_survives_vllm_binding_then_starting_it() -> None:
     # start_load_kv, in the no-forward path too): the second hand-over carries no instructions,
     # but the step is still idle, or the worker's report would never wait.
     pytest.importorskip("vllm")
-    from kvpush.vllm._scheduler import PushMetadata
     from kvpush.vllm.connector import KvPushMetadata
+    from kvpush.vllm.metadata import PushMetadata
 
     metadata = KvPushMetadata(PushMetadata(cancels=["d-req"], idle=True))
     first, second = metadata.take(), metadata.take()
@@ -691,7 +692,7 @@ class BusyEndpoint:
 
 
 def test_work_a_busy_endpoint_refused_fails_alone_or_is_retried_next_step() -> None:
-    from kvpush.vllm._scheduler import PushMetadata, RecvRequest
+    from kvpush.vllm.metadata import PushMetadata, RecvRequest
 
     caches = cpu_caches(2, 16, 32, seed=None)
     d = worker("decode-busy", caches, 32, 0)

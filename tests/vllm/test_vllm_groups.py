@@ -38,7 +38,8 @@ from kvpush._native import lab
 from kvpush.exceptions import LayoutError
 from kvpush.vllm._layout import NULL_BLOCK, CacheGroups, Model, views_by_group
 from kvpush.vllm._scheduler import PushScheduler
-from kvpush.vllm._worker import PushWorker, WorkerConfig
+from kvpush.vllm._worker import PushWorker
+from kvpush.vllm.config import WorkerConfig
 from kvpush_lab.peer import RemoteWorker
 from tests.support.nixl import nixl_or_skip
 

@@ -49,13 +49,10 @@ from kvpush.exceptions import (
 )
 from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches
 from kvpush.vllm._params import Refused, RemotePrefill, parse_params
-from kvpush.vllm._scheduler import (
-    PushMetadata,
-    PushScheduler,
-    RecvRequest,
-    SendRequest,
-)
-from kvpush.vllm._worker import PushWorker, WorkerConfig
+from kvpush.vllm._scheduler import PushScheduler
+from kvpush.vllm._worker import PushWorker
+from kvpush.vllm.config import WorkerConfig
+from kvpush.vllm.metadata import PushMetadata, RecvRequest, SendRequest
 
 BLOCK = 16
 BLOCKS = 512
@@ -781,7 +778,15 @@ def test_no_assert_guards_an_engine_path() -> None:
     """``python -O`` strips asserts, and an AssertionError in a hook kills the engine: the
     connector's modules decide with explicit handling instead."""
     package = Path(kvpush.__file__).parent / "vllm"
-    for module in ("connector.py", "_scheduler.py", "_worker.py", "_params.py"):
+    modules = (
+        "connector.py",
+        "config.py",
+        "metadata.py",
+        "_scheduler.py",
+        "_worker.py",
+        "_params.py",
+    )
+    for module in modules:
         lines = (package / module).read_text().splitlines()
         assert not [line for line in lines if line.strip().startswith("assert ")], module
 

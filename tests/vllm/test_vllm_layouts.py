@@ -496,7 +496,8 @@ def test_block_outermost_layers_register_one_span() -> None:
 def push_worker(engine: str, w: Worker, base_port: int = 0) -> Any:
     """The connector's worker over ``w``'s caches, on the loopback transport; rank r of the
     engine listens on ``base_port + r`` (0: any free port, for one rank)."""
-    from kvpush.vllm._worker import PushWorker, WorkerConfig
+    from kvpush.vllm._worker import PushWorker
+    from kvpush.vllm.config import WorkerConfig
 
     config = WorkerConfig(
         engine_id=engine,

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import kvpush
-from kvpush.proxy import PrefillInstance
+from kvpush.router import PrefillInstance
 from kvpush_lab.bench import report, serving_report
 from kvpush_lab.bench.serving_client import (
     Route,

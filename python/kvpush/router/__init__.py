@@ -1,7 +1,7 @@
 """kvpush's router: disaggregated prefill (P) / decode (D) requests over pools of instances.
 
-One routing core, on asyncio and aiohttp, behind ``kvpush proxy`` (:mod:`kvpush.proxy`, the
-HTTP front), the benchmark client and the end-to-end harness (:func:`complete`):
+One routing core, on asyncio and aiohttp, behind ``kvpush proxy`` (:mod:`~kvpush.router.http`,
+the HTTP front), the benchmark client and the end-to-end harness (:func:`complete`):
 
 * :mod:`~kvpush.router.instances`: P and D addresses, P's coordinates (configured or learned),
   each instance's outstanding legs and health;
@@ -11,7 +11,9 @@ HTTP front), the benchmark client and the end-to-end harness (:func:`complete`):
 * :mod:`~kvpush.router.exchange`: one request's legs and what ends it;
 * :mod:`~kvpush.router.core`: :class:`Router`, the pools, the session, the requests in flight;
 * :mod:`~kvpush.router.client`: one completion in-process, with per-leg timings;
-* :mod:`~kvpush.router.loop`: a background event loop for synchronous callers.
+* :mod:`~kvpush.router.loop`: a background event loop for synchronous callers;
+* :mod:`~kvpush.router.http`: the OpenAI-compatible HTTP front and ``kvpush proxy``'s options
+  (:class:`~kvpush.router.http.ProxyServer` is imported from there: it brings aiohttp's server).
 """
 
 from kvpush.router.balance import NoHealthyInstanceError

@@ -1,5 +1,5 @@
 """The router: P and D pools, their health checks, one HTTP client session, and the
-exchanges in flight. Serves ``kvpush proxy`` (:mod:`kvpush.proxy`) and in-process callers
+exchanges in flight. Serves ``kvpush proxy`` (:mod:`kvpush.router.http`) and in-process callers
 (:mod:`kvpush.router.client`) alike; lives on one event loop."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``kv_connector_module_path: "kvpush.vllm"`` loads :class:`KvPushConnector` from here; vLLM is
 imported only when the class is first asked for, so the vLLM-free parts of this package
-(``_scheduler``, ``_worker``, ``_layout``) import and test without it.
+(``config``, ``metadata``, ``_scheduler``, ``_worker``, ``_layout``) import and test without it.
 """
 
 from __future__ import annotations

@@ -8,16 +8,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO
 
 import kvpush
 from kvpush.exceptions import (
     BusyError,
-    ConfigError,
     KvPushError,
     LayoutError,
     RendezvousError,
@@ -26,57 +23,10 @@ from kvpush.exceptions import (
 )
 from kvpush.vllm import _stats
 from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches, sources_of
-from kvpush.vllm._scheduler import PushMetadata, RecvRefused, RecvRequest, SendRequest
+from kvpush.vllm.config import WorkerConfig, native_thread_cpus, timeline_dir
+from kvpush.vllm.metadata import PushMetadata, RecvRefused, RecvRequest, SendRequest
 
 logger = logging.getLogger("vllm.kvpush")
-
-#: When set, each worker appends one JSON line per finished transfer to
-#: ``$KVPUSH_TIMELINE_DIR/<engine>-tp<rank>.jsonl`` (``kvpush demo`` reads them).
-TIMELINE_DIR_ENV = "KVPUSH_TIMELINE_DIR"
-
-#: CPUs for the endpoint's native threads (writer, side channel, NIXL's): ``inherit`` keeps the
-#: creating thread's affinity, a list such as ``2,3`` or ``4-7`` names them. Unset: the CPUs the
-#: engine process was allowed (see :func:`native_thread_cpus`).
-THREAD_CPUS_ENV = "KVPUSH_THREAD_CPUS"
-
-
-def cpu_list(text: str) -> set[int]:
-    """CPUs written as Linux lists them: ``0``, ``2,3``, ``4-7``, ``0,2-3``."""
-    cpus: set[int] = set()
-    for part in text.replace(" ", "").split(","):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
-def native_thread_cpus() -> set[int] | None:
-    """Where the endpoint's threads should run, or None to leave them where they are born.
-
-    vLLM's CPU worker pins the thread that runs the forward pass to one core (each OpenMP thread
-    to its own); threads it starts inherit that, so a writer born there would wait for the
-    forward pass to yield the core before it could post a WRITE. The native threads get the CPUs
-    the engine process (the worker's parent, or the process itself with vLLM's in-process
-    executor) was allowed instead: the operator's own pinning (``taskset``, cgroups) still holds.
-    """
-    configured = os.environ.get(THREAD_CPUS_ENV, "").strip()
-    if configured == "inherit":
-        return None
-    if configured:
-        try:
-            return cpu_list(configured)
-        except ValueError:
-            raise KvPushError(
-                f"{THREAD_CPUS_ENV}={configured!r}: expected 'inherit' or CPUs like '2,3' or '4-7'"
-            ) from None
-    current = os.sched_getaffinity(0)
-    parent = os.getppid()
-    if parent <= 1:
-        return None  # orphaned (or a container's first process): no engine to take CPUs from
-    try:
-        engine = os.sched_getaffinity(parent) | os.sched_getaffinity(os.getpid())
-    except OSError:
-        return None
-    return engine if not engine <= current else None
 
 
 @contextmanager
@@ -100,76 +50,6 @@ def _threads_born_on(cpus: set[int] | None) -> Iterator[None]:
 
 #: How long a worker's report in a step that computes nothing may wait for a transfer event (s).
 IDLE_STEP_WAIT = 0.002
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Everything a worker's endpoint needs that is not in the KV tensors."""
-
-    engine_id: str
-    side_channel_host: str
-    side_channel_port: int
-    #: The shared secret (:func:`load_secret`); never in a repr, so never in a log line.
-    secret: bytes | None = field(repr=False)
-    #: Listen beyond loopback without a secret (``insecure`` / ``KVPUSH_INSECURE=1``).
-    insecure: bool
-    ttl: float
-    receive_timeout: float
-    transport: str
-    model_fingerprint: str
-    #: The endpoint's timeouts (s): see docs/operations.md, "The fence".
-    write_timeout: float = 10.0
-    peer_timeout: float = 5.0
-    heartbeat_interval: float = 1.0
-
-
-#: The shared secret itself, or the path of a file that holds it.
-SECRET_ENV = "KVPUSH_SECRET"
-SECRET_FILE_ENV = "KVPUSH_SECRET_FILE"
-
-
-def load_secret(extra: Mapping[str, object], environ: Mapping[str, str]) -> bytes | None:
-    """The shared secret, from the environment (``KVPUSH_SECRET``) or a file (option
-    ``secret_file`` or ``KVPUSH_SECRET_FILE``; surrounding whitespace, such as the newline
-    ``openssl rand -hex 32 >FILE`` ends it with, is not part of it); None when neither is set.
-
-    Never from ``kv_connector_extra_config`` itself: vLLM logs that config at every start, and a
-    command line is readable by every user of the host (``/proc/*/cmdline``). Refused at
-    startup, with what to do instead; no message carries the secret.
-    """
-    if "secret" in extra:
-        raise ConfigError(
-            "kv_connector_extra_config.secret is refused: vLLM logs kv_transfer_config at every "
-            "start and the command line is readable by every user of the host "
-            f"(/proc/*/cmdline). Remove it and give the secret in the environment ({SECRET_ENV}) "
-            f"or in a file readable by the server's user only (option secret_file, or "
-            f"{SECRET_FILE_ENV}: the file's path)"
-        )
-    path = extra.get("secret_file") or environ.get(SECRET_FILE_ENV)
-    from_env = environ.get(SECRET_ENV)
-    if path and from_env:
-        raise ConfigError(
-            f"both {SECRET_ENV} and a secret file ({path}) are set: give the secret one way"
-        )
-    if not path:
-        return from_env.encode() if from_env else None
-    if not isinstance(path, str):
-        raise ConfigError(f"secret_file must be a path, not a {type(path).__name__}")
-    try:
-        with open(path, "rb") as file:
-            secret = file.read().strip()
-            mode = os.fstat(file.fileno()).st_mode
-    except OSError as error:
-        raise ConfigError(f"secret file {path}: {error.strerror or error}") from None
-    if not secret:
-        raise ConfigError(f"secret file {path} is empty")
-    if mode & 0o077:
-        logger.warning(
-            "kvpush: secret file %s can be read by other users (mode %o); chmod 600 it",
-            path,
-            mode & 0o777,
-        )
-    return secret
 
 
 def compatibility(model_fingerprint: str, cache: CacheLayout) -> str:
@@ -283,9 +163,9 @@ class PushWorker:
                 self._config.engine_id, layout, memory=list(cache.memory), options=options
             )
         self._clock_offset = time.time() - self._endpoint.clock()
-        timeline_dir = os.environ.get(TIMELINE_DIR_ENV)
-        if timeline_dir:
-            path = Path(timeline_dir) / f"{self._config.engine_id}-tp{self._model.tp_rank}.jsonl"
+        timelines = timeline_dir()
+        if timelines is not None:
+            path = timelines / f"{self._config.engine_id}-tp{self._model.tp_rank}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             self._timeline = path.open("a", encoding="utf-8")
         logger.info(

@@ -8,30 +8,21 @@ Load it with::
 
 or by name alone once kvpush is installed (it registers itself through vLLM's plugin entry
 point). This class only translates: vLLM objects in, :mod:`kvpush.vllm._scheduler` and
-:mod:`kvpush.vllm._worker` decide and act, and their results go back through vLLM's own
+:mod:`kvpush.vllm._worker` decide and act (the scheduler's instructions to the workers each
+step: :mod:`kvpush.vllm.metadata`), and their results go back through vLLM's own
 channels (``finished_sending``/``finished_recving``/``failed_recving`` and invalid block ids), so
 ``kv_load_failure_policy`` applies to every failed receive. No hook raises into vLLM's engine
 for one request's sake: kv_transfer_params are read by :mod:`kvpush.vllm._params`, and a bad
 request, or an endpoint call that fails, fails that request alone (a local prefill, a failed
 receive, a send reported over).
 
-Options (``kv_connector_extra_config``): ``side_channel_host``/``side_channel_port`` (default:
-``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, as vLLM's NIXL connectors; worker ``r`` listens on
-port + r), ``secret_file`` (or env ``KVPUSH_SECRET_FILE``: the path of a file holding the shared
-secret; or the secret itself in env ``KVPUSH_SECRET``. It HMAC-signs every control message and
-is proven both ways before any NIXL metadata moves; required to listen beyond loopback unless
-``insecure`` is true or ``KVPUSH_INSECURE=1``. A ``secret`` option is refused at startup: vLLM
-logs this config at every start, and a command line is readable by every user of the host),
-``kv_lease_duration`` (s P keeps finished KV for D, default 30), ``receive_timeout`` (s D waits
-for KV, default 120), ``write_timeout`` / ``peer_timeout`` / ``heartbeat_interval`` (s, defaults
-10 / 5 / 1: the write horizon, see docs/operations.md), ``transport`` (``nixl``, or ``loopback``
-for in-process tests).
+Options (``kv_connector_extra_config``), the environment variables it reads and their
+defaults: :mod:`kvpush.vllm.config`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,8 +42,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpush.exceptions import KvPushError
 from kvpush.vllm import _stats
 from kvpush.vllm._layout import CacheGroups, Model, views_by_group
-from kvpush.vllm._scheduler import PushMetadata, PushScheduler
-from kvpush.vllm._worker import PushWorker, WorkerConfig, load_secret
+from kvpush.vllm._scheduler import PushScheduler
+from kvpush.vllm._worker import PushWorker
+from kvpush.vllm.config import identity, worker_config
+from kvpush.vllm.metadata import PushMetadata
 
 if TYPE_CHECKING:
     import torch
@@ -167,51 +160,6 @@ class KvPushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             self._failures.labels(*labels, reason).inc(count)
 
 
-def _flag(value: object) -> bool:
-    """A boolean option given as JSON (true/false) or as an environment string (1/true/yes)."""
-    if isinstance(value, bool):
-        return value
-    return str(value).strip().lower() in {"1", "true", "yes", "on"}
-
-
-def _worker_config(vllm_config: VllmConfig) -> WorkerConfig:
-    transfer = vllm_config.kv_transfer_config
-    extra = transfer.kv_connector_extra_config or {}
-    model = vllm_config.model_config
-    return WorkerConfig(
-        engine_id=str(transfer.engine_id),
-        side_channel_host=str(
-            extra.get("side_channel_host")
-            or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
-        ),
-        side_channel_port=int(
-            extra.get("side_channel_port") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 5600
-        ),
-        secret=load_secret(extra, os.environ),
-        insecure=_flag(extra.get("insecure", os.environ.get("KVPUSH_INSECURE", ""))),
-        ttl=float(extra.get("kv_lease_duration", 30.0)),
-        write_timeout=float(extra.get("write_timeout", 10.0)),
-        peer_timeout=float(extra.get("peer_timeout", 5.0)),
-        heartbeat_interval=float(extra.get("heartbeat_interval", 1.0)),
-        receive_timeout=float(extra.get("receive_timeout", 120.0)),
-        transport=str(extra.get("transport", "nixl")),
-        model_fingerprint=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}",
-    )
-
-
-def _identity(vllm_config: VllmConfig) -> dict[str, Any]:
-    """What a router needs to send D to this engine as P: the fields of vLLM's push contract."""
-    worker = _worker_config(vllm_config)
-    parallel = vllm_config.parallel_config
-    return {
-        "remote_engine_id": worker.engine_id,
-        "remote_host": worker.side_channel_host,
-        "remote_port": worker.side_channel_port,
-        "tp_size": parallel.tensor_parallel_size,
-        "pp_size": parallel.pipeline_parallel_size,
-    }
-
-
 class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Push-based KV transfer: D registers its blocks while P computes; P's native writer
     thread WRITEs the moment both halves are present."""
@@ -233,7 +181,7 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # groups kvpush cannot move (Mamba/SSM state), never one request at a time.
         if role == KVConnectorRole.SCHEDULER:
             groups = None if kv_cache_config is None else CacheGroups.from_vllm(kv_cache_config)
-            self._scheduler = PushScheduler(_identity(vllm_config), groups)
+            self._scheduler = PushScheduler(identity(vllm_config), groups)
             return
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
@@ -247,7 +195,7 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             kv_cache_config,
         )
         self._groups = model.groups
-        self._worker = PushWorker(_worker_config(vllm_config), model)
+        self._worker = PushWorker(worker_config(vllm_config), model)
 
     # ---- class-level configuration --------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""``kvpush proxy``: an OpenAI-compatible HTTP front for the router (:mod:`kvpush.router`).
+"""The router's HTTP front, which ``kvpush proxy`` serves: OpenAI-compatible, over one
+:class:`~kvpush.router.core.Router`.
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` go through the router's disaggregated
 exchange (push: both legs at once with one ``X-Request-Id`` and ``transfer_id``; pull: P, then
@@ -17,7 +18,8 @@ Everything a client can make the proxy hold is bounded: a request body is never 
 request); reads, writes and idle keep-alive connections are bounded by ``Timeouts.client_s``.
 
 :class:`ProxyServer` runs the server on a named background thread with its own event loop
-(the demo and the benchmark start it in-process); :func:`run` is the command line's.
+(the demo and the benchmark start it in-process); :func:`add_arguments` and :func:`run` are
+``kvpush proxy``'s options and its serving until a signal (:mod:`kvpush.cli` lists the command).
 """
 
 from __future__ import annotations
@@ -37,26 +39,21 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.router.balance import NoHealthyInstanceError
-from kvpush.router.bodies import decode_body, prefill_body
 from kvpush.router.core import Router
 from kvpush.router.exchange import Exchange, LegFailedError, Mode, RouterStoppingError, Timeouts
 from kvpush.router.instances import PrefillInstance, Upstream, parse_prefill
 from kvpush.router.loop import LoopThread
 
 __all__ = [
+    "HEALTH_INTERVAL_S",
     "MAX_BODY_BYTES",
     "MAX_CONNECTIONS",
-    "PrefillInstance",
     "ProxyServer",
-    "Timeouts",
     "add_arguments",
-    "decode_body",
-    "main",
-    "parse_prefill",
-    "prefill_body",
     "run",
 ]
 
+# The name the proxy's log lines have always carried (the router's own say kvpush.router).
 logger = logging.getLogger("kvpush.proxy")
 
 JSON = dict[str, Any]
@@ -605,7 +602,7 @@ def _interval_arg(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The proxy's options (shared by ``kvpush proxy`` and :func:`main`)."""
+    """``kvpush proxy``'s options."""
     defaults = Timeouts()
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -701,7 +698,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGINT or SIGTERM."""
+    """``kvpush proxy``: serves with the options of :func:`add_arguments` until SIGINT or
+    SIGTERM."""
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -737,12 +735,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.stop()
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvpush proxy",
-        description="OpenAI-compatible router for disaggregated prefill/decode with kvpush.",
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
