@@ -245,7 +245,9 @@ impl Endpoint {
         config.inbox_capacity = inbox_capacity;
         config.delivery_bound = match (delivery_bound, transport) {
             (Some(seconds_given), _) => seconds(seconds_given, "delivery_bound")?,
-            (None, "nixl") => kvpush_nixl::delivery_bound().map_err(PyValueError::new_err)?,
+            (None, "nixl") => {
+                kvpush_nixl::delivery_bound().map_err(|e| PyValueError::new_err(e.to_string()))?
+            }
             (None, _) => LoopbackTransport::DELIVERY_BOUND,
         };
         // Unique per process and per endpoint: P counts its peers' agents by name, so two D
