@@ -38,15 +38,15 @@ use crate::protocol::{
     BlockGroup, Fail, FailReason, Hello, Message, ProtocolError, Register, PROTOCOL_VERSION,
 };
 use crate::rendezvous::{Arrival, Cancelled, FenceReason, Owner, RendezvousError, TakeReady};
-use crate::side_channel::{ControlHandler, PeerId, PeerInfo};
+use crate::side_channel::{ControlHandler, PeerId, PeerInfo, Refusal};
 use crate::sync::lock;
-use crate::transport::{MemoryKind, MemorySpace};
+use crate::transport::{MemoryKind, MemorySpace, Unreachable};
 
-use super::agents;
+use super::agents::{self, AgentCollision};
 use super::fanout::{self, FanOut};
 use super::send::Registration;
 use super::writer::Command;
-use super::{Counters, Shared};
+use super::{Counters, Shared, Unhealthy};
 
 /// Longest TTL a peer may ask the table to hold a registration for.
 const MAX_REGISTRATION_TTL: Duration = Duration::from_secs(3_600);
@@ -137,6 +137,75 @@ impl Drop for Slot {
 }
 
 /// What P knows of a joined D connection.
+/// Why P does not take a registration on (the detail of D's FAIL).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum Unadmitted {
+    /// The writer's inbox stayed full for `ROOM_WAIT`.
+    #[error(
+        "transfer {key}: P is overloaded: {queued} commands wait for its writer thread \
+         (capacity {capacity}); retry later, or send the request to another prefill worker"
+    )]
+    Overloaded { key: String, queued: usize, capacity: usize },
+    /// D's host holds `max_registrations_per_host` registrations already.
+    #[error(
+        "transfer {key}: D's host {host} already holds {entries} registrations on P; finish or \
+         cancel some, or raise max_registrations_per_host"
+    )]
+    TooManyRegistrations { key: String, host: IpAddr, entries: usize },
+    /// This registration alone holds more than a host's budget.
+    #[error(
+        "transfer {key}: this registration holds {bytes} bytes, more than the {budget} bytes a \
+         host's registrations may hold on P; raise max_registration_bytes_per_host"
+    )]
+    TooLarge { key: String, bytes: usize, budget: usize },
+    /// This registration would take its host past its budget.
+    #[error(
+        "transfer {key}: D's host {host} already holds {held} bytes of registrations on P, and \
+         this one ({bytes} bytes) would pass the host's budget of {budget} bytes; finish or \
+         cancel some, or raise max_registration_bytes_per_host"
+    )]
+    OverBudget { key: String, host: IpAddr, held: usize, bytes: usize, budget: usize },
+}
+
+/// Why a peer that finished its handshake is refused (the text of its `incompatible` error).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum Unjoined {
+    /// No protocol version in common.
+    #[error(
+        "peer {engine_id} speaks kvpush protocol versions {versions:?}, this worker speaks \
+         {PROTOCOL_VERSION}"
+    )]
+    Versions { engine_id: String, versions: Vec<u16> },
+    /// Another model configuration.
+    #[error(
+        "peer {engine_id} serves a different model configuration (compatibility {theirs:?}, \
+         this worker {ours:?}); pair prefill and decode engines of the same model, dtype and KV \
+         layout"
+    )]
+    Compatibility { engine_id: String, theirs: String, ours: String },
+    /// P's transport cannot write into the peer's memory.
+    #[error(
+        "this worker's KV cache is in {ours} and peer {engine_id}'s is in {theirs}, which this \
+         worker's transport cannot write into: {source}"
+    )]
+    Unreachable { ours: MemorySpace, engine_id: String, theirs: MemorySpace, source: Unreachable },
+    /// This worker's writer died or stalled.
+    #[error(transparent)]
+    Unhealthy(#[from] Unhealthy),
+    /// The writer's inbox stayed full for `ROOM_WAIT`.
+    #[error(
+        "this worker is overloaded: {queued} commands wait for its writer thread (capacity \
+         {capacity}); retry later"
+    )]
+    Overloaded { queued: usize, capacity: usize },
+    /// The peer's agent name stands for another agent here.
+    #[error(transparent)]
+    Agent(#[from] AgentCollision),
+    /// The endpoint is closing.
+    #[error("this worker is shutting down")]
+    ShuttingDown,
+}
+
 #[derive(Debug, Clone)]
 struct PeerEntry {
     owner: Owner,
@@ -156,7 +225,7 @@ pub(crate) struct Control {
     /// Where this worker's KV lives, and why its transport cannot write into a peer's VRAM
     /// (`None`: it can): a D whose cache the transport cannot reach is refused at the handshake.
     memory: MemorySpace,
-    vram_refusal: Option<String>,
+    vram_refusal: Option<Unreachable>,
     peers: Mutex<HashMap<PeerId, PeerEntry>>,
     /// What each host's registrations hold, shared by its peers' entries. One small entry per
     /// host that ever authenticated.
@@ -178,7 +247,7 @@ impl Control {
         compatibility: String,
         quota: Quota,
         memory: MemorySpace,
-        vram_refusal: Option<String>,
+        vram_refusal: Option<Unreachable>,
     ) -> Self {
         Self {
             shared,
@@ -223,8 +292,8 @@ impl Control {
         }
         let slot = match self.admit(&entry, &register) {
             Ok(slot) => slot,
-            Err(detail) => {
-                self.refuse(peer, &register, FailReason::Refused, detail);
+            Err(unadmitted) => {
+                self.refuse(peer, &register, FailReason::Refused, unadmitted.to_string());
                 return;
             }
         };
@@ -284,35 +353,31 @@ impl Control {
 
     /// Whether P takes `register` on: room in the writer's inbox (waiting up to `ROOM_WAIT`)
     /// and in its host's quota. The quota slot it holds, or why not, for D.
-    fn admit(&self, entry: &PeerEntry, register: &Register) -> Result<Slot, String> {
+    fn admit(&self, entry: &PeerEntry, register: &Register) -> Result<Slot, Unadmitted> {
         let key = &register.transfer_key;
         if let Err(full) = self.shared.inbox.wait_for_room(ROOM_WAIT) {
             Counters::add(&self.shared.counters.overloaded);
-            return Err(format!(
-                "transfer {key}: P is overloaded: {} commands wait for its writer thread \
-                 (capacity {}); retry later, or send the request to another prefill worker",
-                full.queued, full.capacity
-            ));
+            return Err(Unadmitted::Overloaded {
+                key: key.clone(),
+                queued: full.queued,
+                capacity: full.capacity,
+            });
         }
         let bytes = registration_bytes(register);
         let host = entry.host;
+        let budget = self.quota.bytes;
         Slot::take(&entry.held, bytes, self.quota).map_err(|over| match over {
-            OverQuota::Entries => format!(
-                "transfer {key}: D's host {host} already holds {} registrations on P; finish \
-                 or cancel some, or raise max_registrations_per_host",
-                self.quota.entries
-            ),
-            OverQuota::Bytes { .. } if bytes > self.quota.bytes => format!(
-                "transfer {key}: this registration holds {bytes} bytes, more than the {} bytes \
-                 a host's registrations may hold on P; raise max_registration_bytes_per_host",
-                self.quota.bytes
-            ),
-            OverQuota::Bytes { held } => format!(
-                "transfer {key}: D's host {host} already holds {held} bytes of registrations on \
-                 P, and this one ({bytes} bytes) would pass the host's budget of {} bytes; \
-                 finish or cancel some, or raise max_registration_bytes_per_host",
-                self.quota.bytes
-            ),
+            OverQuota::Entries => Unadmitted::TooManyRegistrations {
+                key: key.clone(),
+                host,
+                entries: self.quota.entries,
+            },
+            OverQuota::Bytes { .. } if bytes > budget => {
+                Unadmitted::TooLarge { key: key.clone(), bytes, budget }
+            }
+            OverQuota::Bytes { held } => {
+                Unadmitted::OverBudget { key: key.clone(), host, held, bytes, budget }
+            }
         })
     }
 
@@ -413,41 +478,39 @@ impl Control {
     }
 }
 
-impl ControlHandler for Control {
-    fn peer_joined(&self, peer: &PeerInfo) -> Result<(), String> {
+impl Control {
+    /// Whether P (or D) takes on a peer that finished its handshake; see `peer_joined`.
+    fn join(&self, peer: &PeerInfo) -> Result<(), Unjoined> {
         let hello = &peer.hello;
         if !hello.versions.contains(&PROTOCOL_VERSION) {
-            return Err(format!(
-                "peer {} speaks kvpush protocol versions {:?}, this worker speaks {PROTOCOL_VERSION}",
-                hello.engine_id, hello.versions
-            ));
+            return Err(Unjoined::Versions {
+                engine_id: hello.engine_id.clone(),
+                versions: hello.versions.clone(),
+            });
         }
         if hello.compatibility != self.compatibility {
-            return Err(format!(
-                "peer {} serves a different model configuration (compatibility {:?}, this worker \
-                 {:?}); pair prefill and decode engines of the same model, dtype and KV layout",
-                hello.engine_id, hello.compatibility, self.compatibility
-            ));
+            return Err(Unjoined::Compatibility {
+                engine_id: hello.engine_id.clone(),
+                theirs: hello.compatibility.clone(),
+                ours: self.compatibility.clone(),
+            });
         }
         // P writes into every D that connects to it: refuse one whose KV cache our transport
         // cannot reach now, rather than fail each of its requests later.
-        if let (true, MemoryKind::Vram, Some(reason)) =
+        if let (true, MemoryKind::Vram, Some(unreachable)) =
             (peer.inbound, hello.memory.kind, &self.vram_refusal)
         {
-            return Err(format!(
-                "this worker's KV cache is in {} and peer {}'s is in {}, which this worker's \
-                 transport cannot write into: {reason}",
-                self.memory, hello.engine_id, hello.memory
-            ));
+            return Err(Unjoined::Unreachable {
+                ours: self.memory,
+                engine_id: hello.engine_id.clone(),
+                theirs: hello.memory,
+                source: unreachable.clone(),
+            });
         }
         self.shared.health()?;
         if let Err(full) = self.shared.inbox.wait_for_room(ROOM_WAIT) {
             Counters::add(&self.shared.counters.overloaded);
-            return Err(format!(
-                "this worker is overloaded: {} commands wait for its writer thread (capacity \
-                 {}); retry later",
-                full.queued, full.capacity
-            ));
+            return Err(Unjoined::Overloaded { queued: full.queued, capacity: full.capacity });
         }
         // Last: a claim is released only by this peer's loss, which follows an `Ok` alone.
         let digest = agents::digest(&hello.agent_metadata);
@@ -462,8 +525,14 @@ impl ControlHandler for Control {
         } else {
             lock(&self.peers).remove(&peer.id);
             self.shared.agents.release(&hello.agent_name);
-            Err("this worker is shutting down".to_owned())
+            Err(Unjoined::ShuttingDown)
         }
+    }
+}
+
+impl ControlHandler for Control {
+    fn peer_joined(&self, peer: &PeerInfo) -> Result<(), Refusal> {
+        Ok(self.join(peer)?)
     }
 
     fn message(&self, peer: PeerId, message: Message) {
@@ -495,8 +564,8 @@ impl ControlHandler for Control {
         Counters::add(&self.shared.counters.refused_frames);
     }
 
-    fn healthy(&self) -> Result<(), String> {
-        self.shared.health()
+    fn healthy(&self) -> Result<(), Refusal> {
+        Ok(self.shared.health()?)
     }
 }
 

@@ -252,6 +252,28 @@ pub enum AbortOutcome {
     Unknown,
 }
 
+/// Why the endpoint takes no new work: its writer thread is gone or stuck (see
+/// [`Endpoint::health`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unhealthy {
+    /// The writer thread stopped for good (a transport error it could not survive, or a panic).
+    #[error("{reason}")]
+    WriterDied {
+        /// What stopped it.
+        reason: String,
+    },
+    /// The writer thread has not run for a while although the rest of the process did.
+    #[error(
+        "the writer thread has not run for {:.1}s while the rest of the process did (stuck in a \
+         transport call?)",
+        .silent.as_secs_f64()
+    )]
+    WriterStalled {
+        /// How long it has been silent.
+        silent: Duration,
+    },
+}
+
 /// Why an endpoint call was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum EndpointError {
@@ -280,7 +302,7 @@ pub enum EndpointError {
         "the kvpush endpoint is unhealthy ({0}); pending transfers were failed; restart the \
          worker"
     )]
-    Unhealthy(String),
+    Unhealthy(Unhealthy),
     /// The endpoint was closed.
     #[error("the kvpush endpoint is closed; create a new one")]
     Closed,
@@ -476,10 +498,10 @@ impl Shared {
         self.clock.unix_millis()
     }
 
-    /// `Err(reason)` once the writer died or stalled.
-    pub(crate) fn health(&self) -> Result<(), String> {
+    /// `Err` once the writer died or stalled.
+    pub(crate) fn health(&self) -> Result<(), Unhealthy> {
         if let Some(reason) = self.dead.get() {
-            return Err(reason.clone());
+            return Err(Unhealthy::WriterDied { reason: reason.clone() });
         }
         // Relaxed: timestamps read on their own; a stale one only delays the verdict by a call.
         let now = self.millis();
@@ -487,11 +509,7 @@ impl Shared {
         // Every caller is a thread other than the writer: it proves the process runs now.
         let others = self.others_beat_ms.swap(now, Ordering::Relaxed);
         match writer_stall(now, beat, others, self.stall_after) {
-            Some(silent) => Err(format!(
-                "the writer thread has not run for {:.1}s while the rest of the process did \
-                 (stuck in a transport call?)",
-                silent.as_secs_f64()
-            )),
+            Some(silent) => Err(Unhealthy::WriterStalled { silent }),
             None => Ok(()),
         }
     }
@@ -870,9 +888,9 @@ impl Endpoint {
         }
     }
 
-    /// `Err(reason)` once the writer thread died or stalled: its transfers were failed (D's once
-    /// their write horizons passed), its peers were disconnected, and new work is refused.
-    pub fn health(&self) -> Result<(), String> {
+    /// `Err` once the writer thread died or stalled: its transfers were failed (D's once their
+    /// write horizons passed), its peers were disconnected, and new work is refused.
+    pub fn health(&self) -> Result<(), Unhealthy> {
         self.shared.health()
     }
 

@@ -34,9 +34,9 @@ use crate::protocol::{
 use crate::rendezvous::{FenceReason, Match, Outcome as TableOutcome, RendezvousError};
 use crate::side_channel::PeerId;
 use crate::sync::lock;
-use crate::transport::{MemorySpace, Transport, WriteId, WriteState};
+use crate::transport::{MemorySpace, Transport, TransportError, WriteId, WriteState};
 
-use super::agents;
+use super::agents::{self, UnusableAgent};
 use super::control::Slot;
 use super::events::{Event, Outcome, Reason, Role, Timeline};
 use super::fanout;
@@ -158,7 +158,7 @@ impl<T: Transport> Writer<T> {
     /// One more use of the peer's transport agent, loading it on first use. An agent already
     /// loaded is shared only with a peer whose metadata is the same (a reconnect of the same
     /// process): a name is not an identity (see `agents`).
-    pub(super) fn use_agent(&mut self, hello: &Hello) -> Result<String, String> {
+    pub(super) fn use_agent(&mut self, hello: &Hello) -> Result<String, UnusableAgent> {
         let digest = agents::digest(&hello.agent_metadata);
         if let Some(uses) = self.sends.agents.get_mut(&hello.agent_name) {
             self.shared.agents.load(&hello.engine_id, &hello.agent_name, digest)?;
@@ -172,14 +172,15 @@ impl<T: Transport> Writer<T> {
             Ok(name) if name == hello.agent_name => name,
             loaded => {
                 self.shared.agents.unload(&hello.agent_name);
-                let name = loaded.map_err(|e| e.to_string())?;
+                let name = loaded?;
                 if !self.sends.agents.contains_key(&name) {
                     let _ = self.transport.remove_peer(&name);
                 }
-                return Err(format!(
-                    "peer {}'s agent metadata names agent {name:?} but its hello says {:?}",
-                    hello.engine_id, hello.agent_name
-                ));
+                return Err(UnusableAgent::Misnamed {
+                    engine_id: hello.engine_id.clone(),
+                    loaded: name,
+                    declared: hello.agent_name.clone(),
+                });
             }
         };
         self.sends.agents.insert(name.clone(), 1);
@@ -398,11 +399,11 @@ impl<T: Transport> Writer<T> {
         let planner = peer
             .planner
             .as_ref()
-            .map_err(|e| (FailReason::Incompatible, Reason::Incompatible, e.clone()))?;
+            .map_err(|e| (FailReason::Incompatible, Reason::Incompatible, e.to_string()))?;
         let agent = peer
             .agent
             .as_ref()
-            .map_err(|e| (FailReason::WriteError, Reason::WriteError, e.clone()))?;
+            .map_err(|e| (FailReason::WriteError, Reason::WriteError, e.to_string()))?;
         let register = &registration.register;
         if register.num_tokens > ready.kv.num_tokens {
             return Err((
@@ -534,17 +535,19 @@ impl<T: Transport> Writer<T> {
                     continue;
                 }
                 Ok(WriteState::Done) => Ok(()),
-                Err(e) => Err(e.to_string()),
+                Err(e) => Err(e),
             };
             let w = self.sends.in_flight.swap_remove(i);
             self.finish(w, result);
         }
     }
 
-    fn finish(&mut self, w: InFlight, result: Result<(), String>) {
+    fn finish(&mut self, w: InFlight, result: Result<(), TransportError>) {
         let delivered = result.is_ok();
         let now = self.shared.now();
         self.release_agent(&w.agent.clone());
+        // The table and the events keep the failure's text.
+        let result = result.map_err(|e| e.to_string());
         let outcome = match &result {
             Ok(()) => TableOutcome::Done,
             Err(e) => TableOutcome::Failed(e.clone()),

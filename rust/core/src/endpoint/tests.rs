@@ -12,14 +12,16 @@ use super::{EndpointConfig, Expectation, Shared};
 use crate::layout::{KvLayout, Region, TokenOrder};
 use crate::loopback::LoopbackTransport;
 use crate::protocol::{BlockGroup, Hello, Message, PROTOCOL_VERSION};
-use crate::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig};
+use crate::side_channel::{
+    ControlHandler, PeerId, PeerInfo, Refusal, SideChannel, SideChannelConfig,
+};
 use crate::transport::MemorySpace;
 
 /// A handler for a side channel whose peers this test never hears from.
 struct Deaf;
 
 impl ControlHandler for Deaf {
-    fn peer_joined(&self, _peer: &PeerInfo) -> Result<(), String> {
+    fn peer_joined(&self, _peer: &PeerInfo) -> Result<(), Refusal> {
         Ok(())
     }
     fn message(&self, _peer: PeerId, _message: Message) {}

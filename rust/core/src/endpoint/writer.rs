@@ -44,12 +44,13 @@ use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
 use crate::layout::KvLayout;
-use crate::planner::Planner;
+use crate::planner::{PlanError, Planner};
 use crate::protocol::{Cancel, Fail, Message, Secret};
 use crate::rendezvous::Match;
 use crate::side_channel::{PeerId, PeerInfo, SideChannelError};
 use crate::transport::{MemorySpace, Transport};
 
+use super::agents::UnusableAgent;
 use super::events::{Event, Reason};
 use super::inbox::Commands;
 use super::link::Link;
@@ -126,15 +127,23 @@ impl ConnectFailure {
     }
 }
 
+/// Why P cannot plan writes into a peer: their layouts do not fit.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot write into {engine_id}: {source}")]
+pub(super) struct Unplannable {
+    engine_id: String,
+    source: PlanError,
+}
+
 /// A peer as the writer knows it.
 #[derive(Debug)]
 pub(super) struct Peer {
     /// The peer's agent name, from its Hello (what its notifications are sent as).
     pub(super) name: String,
     /// P: the transport's name for the peer once its metadata loaded (a use of P's agents).
-    pub(super) agent: Result<String, String>,
+    pub(super) agent: Result<String, UnusableAgent>,
     /// P: how to write into this peer (D), or why it cannot be written to.
-    pub(super) planner: Result<Planner, String>,
+    pub(super) planner: Result<Planner, Unplannable>,
     /// Where the peer's KV cache lives.
     pub(super) memory: MemorySpace,
     /// D: how long after losing this P it may still be writing (its advertised horizon).
@@ -326,12 +335,12 @@ impl<T: Transport> Writer<T> {
         // Both sides load the peer's agent (P writes into D; D never writes, but NIXL keeps
         // peers symmetric).
         let agent = if hello.agent_metadata.is_empty() {
-            Err(format!("peer {} sent no agent metadata: it cannot be written to", hello.engine_id))
+            Err(UnusableAgent::NoMetadata { engine_id: hello.engine_id.clone() })
         } else {
             self.use_agent(hello)
         };
         let planner = Planner::new(self.layout.clone(), hello.layout.clone())
-            .map_err(|e| format!("cannot write into {}: {e}", hello.engine_id));
+            .map_err(|source| Unplannable { engine_id: hello.engine_id.clone(), source });
         let horizon = match hello.write_horizon_ms {
             0 => MAX_HORIZON,
             ms => Duration::from_millis(ms).min(MAX_HORIZON),

@@ -315,7 +315,8 @@ impl Lab {
         let info = PeerInfo { id: peer, addr, hello: d_hello, inbound: true };
         let arrive = self.now() + self.latency();
         let stage = match control.peer_joined(&info) {
-            Err(detail) => {
+            Err(refusal) => {
+                let detail = refusal.to_string();
                 self.log(format!("P refuses D's connection: {detail}"));
                 Stage::Rejected { arrive, detail }
             }
