@@ -27,15 +27,13 @@
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::mem::size_of;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
 use crate::protocol::{
-    BlockGroup, Fail, FailReason, Hello, Message, ProtocolError, Register, PROTOCOL_VERSION,
+    Fail, FailReason, Hello, Message, ProtocolError, Register, PROTOCOL_VERSION,
 };
 use crate::rendezvous::{Arrival, Cancelled, FenceReason, Owner, RendezvousError, TakeReady};
 use crate::side_channel::{ControlHandler, PeerId, PeerInfo, Refusal};
@@ -43,9 +41,10 @@ use crate::sync::lock;
 use crate::transport::{MemoryKind, MemorySpace, Unreachable};
 
 use super::agents::{self, AgentCollision};
+use super::command::Command;
 use super::fanout::{self, FanOut};
-use super::send::Registration;
-use super::writer::Command;
+use super::halves::{registration_bytes, Registration};
+use super::quota::{Held, OverQuota, Quota, Slot};
 use super::{Counters, Shared, Unhealthy};
 
 /// Longest TTL a peer may ask the table to hold a registration for.
@@ -56,87 +55,6 @@ const MAX_REGISTRATION_TTL: Duration = Duration::from_secs(3_600);
 /// heartbeat timeout.
 const ROOM_WAIT: Duration = Duration::from_millis(100);
 
-/// What the peers of one host may hold in P's table at once.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Quota {
-    /// Registrations (`max_registrations_per_host`).
-    pub(crate) entries: usize,
-    /// Their bytes, as [`registration_bytes`] counts them (`max_registration_bytes_per_host`).
-    pub(crate) bytes: usize,
-}
-
-/// What the registrations of one host hold in P's table now.
-#[derive(Debug, Default)]
-struct Held {
-    entries: AtomicUsize,
-    bytes: AtomicUsize,
-}
-
-/// About what a registration holds in P's memory once decoded: its block ids (4 bytes each), its
-/// strings, each group's list, and the table entry around it. Computed once, when it arrives.
-pub(crate) fn registration_bytes(register: &Register) -> usize {
-    /// The table's entry and hashing around a registration, beyond the value itself.
-    const ENTRY: usize = 64;
-    let strings =
-        [&register.transfer_key, &register.request_id, &register.engine_id, &register.address]
-            .iter()
-            .map(|s| s.len())
-            .sum::<usize>();
-    let groups = register
-        .groups
-        .iter()
-        .map(|g| size_of::<BlockGroup>().saturating_add(g.block_ids.len().saturating_mul(4)))
-        .fold(0usize, usize::saturating_add);
-    (size_of::<Registration>() + ENTRY).saturating_add(strings).saturating_add(groups)
-}
-
-/// One registration's share of its host's [`Quota`]: one entry and its bytes, given back when
-/// the registration that holds it is dropped (matched and written, superseded, cancelled,
-/// expired or purged).
-#[derive(Debug)]
-pub(crate) struct Slot {
-    held: Arc<Held>,
-    bytes: usize,
-}
-
-/// Why a registration found no room in its host's quota.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum OverQuota {
-    /// The host holds `quota.entries` registrations already.
-    Entries,
-    /// The registration's bytes would take the host past `quota.bytes`; it held `held`.
-    Bytes { held: usize },
-}
-
-impl Slot {
-    /// One entry and `bytes` of `held`'s quota, if there is room for both.
-    fn take(held: &Arc<Held>, bytes: usize, quota: Quota) -> Result<Self, OverQuota> {
-        // Relaxed: quota counters; the registration itself is published by the table's lock.
-        // Each read-modify-write alone keeps its count exact; an arrival that overshoots backs
-        // its share out again.
-        if held.entries.fetch_add(1, Ordering::Relaxed) >= quota.entries {
-            held.entries.fetch_sub(1, Ordering::Relaxed);
-            return Err(OverQuota::Entries);
-        }
-        let before = held.bytes.fetch_add(bytes, Ordering::Relaxed);
-        if before.saturating_add(bytes) > quota.bytes {
-            held.bytes.fetch_sub(bytes, Ordering::Relaxed);
-            held.entries.fetch_sub(1, Ordering::Relaxed);
-            return Err(OverQuota::Bytes { held: before });
-        }
-        Ok(Self { held: Arc::clone(held), bytes })
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        // Relaxed: see `take`.
-        self.held.bytes.fetch_sub(self.bytes, Ordering::Relaxed);
-        self.held.entries.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// What P knows of a joined D connection.
 /// Why P does not take a registration on (the detail of D's FAIL).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 enum Unadmitted {
@@ -206,6 +124,7 @@ enum Unjoined {
     ShuttingDown,
 }
 
+/// What P knows of a joined D connection.
 #[derive(Debug, Clone)]
 struct PeerEntry {
     owner: Owner,
@@ -566,50 +485,5 @@ impl ControlHandler for Control {
 
     fn healthy(&self) -> Result<(), Refusal> {
         Ok(self.shared.health()?)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn register(block_ids: u32) -> Register {
-        Register {
-            transfer_key: "xfer-1".into(),
-            request_id: "cmpl-xfer-1-0".into(),
-            epoch: 1,
-            engine_id: "decode-0".into(),
-            address: "10.0.0.7:5600".into(),
-            tp_rank: 0,
-            tp_size: 1,
-            groups: vec![BlockGroup { first_token: 0, block_ids: (0..block_ids).collect() }],
-            num_tokens: 16,
-            ttl_ms: 1_000,
-            fanout: 1,
-            nonce: 0,
-        }
-    }
-
-    #[test]
-    fn a_registration_costs_four_bytes_a_block_id_over_a_fixed_overhead() {
-        let empty = registration_bytes(&register(0));
-        assert!(empty >= size_of::<Registration>(), "{empty}");
-        assert_eq!(registration_bytes(&register(1_000)) - empty, 4_000);
-    }
-
-    #[test]
-    fn a_host_s_quota_counts_entries_and_bytes_and_each_slot_gives_its_share_back() {
-        let held = Arc::new(Held::default());
-        let quota = Quota { entries: 2, bytes: 10_000 };
-        let first = Slot::take(&held, 6_000, quota).unwrap();
-        assert_eq!(Slot::take(&held, 6_000, quota).unwrap_err(), OverQuota::Bytes { held: 6_000 });
-        let second = Slot::take(&held, 4_000, quota).unwrap();
-        assert_eq!(Slot::take(&held, 1, quota).unwrap_err(), OverQuota::Entries);
-        drop(first);
-        let third = Slot::take(&held, 6_000, quota).unwrap();
-        drop((second, third));
-        // Relaxed: no other thread touches these.
-        assert_eq!(held.entries.load(Ordering::Relaxed), 0);
-        assert_eq!(held.bytes.load(Ordering::Relaxed), 0);
     }
 }

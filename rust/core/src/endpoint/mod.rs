@@ -25,6 +25,10 @@
 //!
 //! - `control`: the side channel's handler: D's registrations and cancels meet the table on the
 //!   reader thread that received them.
+//! - `halves`: the two halves the table pairs (D's registration, P's ready KV); `quota`: what
+//!   one host's registrations may hold in the table, and each one's share of it.
+//! - `command`: what the writer thread is asked to do, by the engine, the readers and the
+//!   connector.
 //! - `writer`: the writer thread's loop, which drives both paths below, and its end.
 //! - `send`: P's send path: a match is planned, fenced by D's lease, posted, polled and
 //!   finished, and reported as one `Send` event.
@@ -42,12 +46,15 @@
 
 mod agents;
 mod awaited;
+mod command;
 mod connector;
 mod control;
 mod events;
 mod fanout;
+mod halves;
 mod inbox;
 mod link;
+mod quota;
 mod receive;
 mod send;
 #[cfg(any(test, feature = "sim"))]
@@ -78,9 +85,10 @@ use crate::side_channel::{SideChannel, SideChannelConfig};
 use crate::sync::lock;
 use crate::transport::{MemoryKind, MemorySpace, Transport, TransportError};
 
+use command::Command;
 use control::Control;
 use link::{ChannelLink, Link};
-use writer::{Command, Writer};
+use writer::Writer;
 
 /// How an [`Endpoint`] is set up.
 #[derive(Debug, Clone)]
@@ -405,7 +413,7 @@ pub struct Stats {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) counters: Counters,
-    pub(crate) table: RendezvousTable<send::Registration, Arc<send::Ready>>,
+    pub(crate) table: RendezvousTable<halves::Registration, Arc<halves::Ready>>,
     /// P: transfers written into several D ranks (see `fanout`). Taken around table operations
     /// on such keys only, never while a table shard is locked.
     pub(crate) fanouts: Mutex<fanout::FanOuts>,
@@ -648,7 +656,7 @@ impl Endpoint {
         let control = Arc::new(Control::new(
             Arc::clone(&shared),
             config.compatibility.clone(),
-            control::Quota {
+            quota::Quota {
                 entries: config.max_registrations_per_host,
                 bytes: config.max_registration_bytes_per_host,
             },
@@ -693,7 +701,7 @@ impl Endpoint {
         let key = TransferKey::for_request(ready.transfer_id.as_deref(), &ready.request_id);
         let now = self.shared.now();
         let deadline = now + ready.ttl;
-        let ready = Arc::new(send::Ready { kv: ready, at: now });
+        let ready = Arc::new(halves::Ready { kv: ready, at: now });
         let matches = {
             // Under the groups' lock: a D rank's first slot registration may be creating this
             // transfer's group right now (see `fanout`).

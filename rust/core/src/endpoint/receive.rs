@@ -55,8 +55,9 @@ use crate::topology;
 use crate::transport::{Notification, Transport};
 
 use super::awaited::{Awaited, LegState, Stop};
+use super::command::ConnectFailure;
 use super::events::{Event, Outcome, Reason, Role, Timeline};
-use super::writer::{ConnectFailure, Writer, MAX_HORIZON};
+use super::writer::{Writer, MAX_HORIZON};
 use super::{Counters, Expectation, Share};
 
 /// A side channel connection to a P, by its address.

@@ -1,7 +1,7 @@
 //! P's send path: from a match of ready KV with D's registration to the request's `Send` event.
 //!
-//! The table's halves are defined here ([`Registration`], [`Ready`]); whichever arrives second
-//! makes the match (`Endpoint::ready` on the engine thread, or `control` on the side channel's
+//! The table's halves ([`Registration`], [`Ready`]: see `halves`) meet in the table; whichever
+//! arrives second makes the match (`Endpoint::ready` on the engine thread, or `control` on the side channel's
 //! reader), and the writer gets it as `Command::Write`. The writer then
 //!
 //! 1. begins the write in the table, which refuses a match that a cancel, an abort or a newer
@@ -28,56 +28,21 @@ use std::time::{Duration, Instant};
 use crate::clock::BootInstant;
 use crate::key::TransferKey;
 use crate::planner::{BlockList, PlanRequest};
-use crate::protocol::{
-    Cancel, CancelAck, Done, Encoder, Fail, FailReason, Hello, Message, Register, Secret,
-};
+use crate::protocol::{Cancel, CancelAck, Done, Encoder, FailReason, Hello, Message, Secret};
 use crate::rendezvous::{FenceReason, Match, Outcome as TableOutcome, RendezvousError};
 use crate::side_channel::PeerId;
 use crate::sync::lock;
 use crate::transport::{MemorySpace, Transport, TransportError, WriteId, WriteState};
 
 use super::agents::{self, UnusableAgent};
-use super::control::Slot;
 use super::events::{Event, Outcome, Reason, Role, Timeline};
 use super::fanout;
+use super::halves::{Ready, Registration};
 use super::writer::{Writer, BUSY_POLL};
-use super::{Counters, EndpointConfig, ReadyKv, Shared, HORIZON_MARGIN};
+use super::{Counters, EndpointConfig, Shared, HORIZON_MARGIN};
 
 /// How long a closing writer lets in-flight writes finish before abandoning them.
 pub(super) const DRAIN_ON_CLOSE: Duration = Duration::from_secs(2);
-
-/// D's registration as P's table holds it.
-#[derive(Debug)]
-pub(crate) struct Registration {
-    /// The side channel connection it came on (replies go back on it).
-    pub(crate) peer: PeerId,
-    /// The message itself.
-    pub(crate) register: Register,
-    /// When it arrived.
-    pub(crate) at: Instant,
-    /// The peer's quota slot it holds until dropped.
-    pub(crate) _slot: Slot,
-}
-
-impl Registration {
-    /// A FAIL for this registration.
-    pub(crate) fn fail(&self, reason: FailReason, detail: String) -> Fail {
-        Fail {
-            transfer_key: self.register.transfer_key.clone(),
-            request_id: self.register.request_id.clone(),
-            epoch: self.register.epoch,
-            reason,
-            detail,
-        }
-    }
-}
-
-/// P's ready KV as the table holds it.
-#[derive(Debug)]
-pub(crate) struct Ready {
-    pub(crate) kv: ReadyKv,
-    pub(crate) at: Instant,
-}
 
 /// P: a posted WRITE.
 #[derive(Debug)]

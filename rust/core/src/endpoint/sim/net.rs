@@ -25,8 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::clock::Clock;
+use crate::endpoint::command::{Command, ConnectFailure};
 use crate::endpoint::link::Link;
-use crate::endpoint::writer::{Command, ConnectFailure};
 use crate::protocol::{Hello, Limits, Message, ProtocolError};
 use crate::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannelError};
 use crate::sync::lock;
