@@ -29,7 +29,8 @@
 //!   one host's registrations may hold in the table, and each one's share of it.
 //! - `command`: what the writer thread is asked to do, by the engine, the readers and the
 //!   connector.
-//! - `writer`: the writer thread's loop, which drives both paths below, and its end.
+//! - `writer`: the writer thread's loop, which drives both paths below, and its end; `context`:
+//!   what it lends both paths (the transport, the peers it knows, where messages and events go).
 //! - `send`: P's send path: a match is planned, fenced by D's lease, posted, polled and
 //!   finished, and reported as one `Send` event.
 //! - `receive`: D's receive path: registration with each P rank, DONEs, FAILs, cancels and
@@ -48,6 +49,7 @@ mod agents;
 mod awaited;
 mod command;
 mod connector;
+mod context;
 mod control;
 mod events;
 mod fanout;
