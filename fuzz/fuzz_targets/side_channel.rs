@@ -40,7 +40,9 @@ use kvpush_core::protocol::{
     ErrorReply, Fail, FailReason, Heartbeat, Hello, Limits, Message, ProtocolError, Register,
     Secret,
 };
-use kvpush_core::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig};
+use kvpush_core::side_channel::{
+    ControlHandler, PeerId, PeerInfo, Refusal, SideChannel, SideChannelConfig,
+};
 use kvpush_core::transport::{MemoryKind, MemorySpace};
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
@@ -197,7 +199,7 @@ fn identity(message: &Message) -> (Option<String>, Vec<&str>) {
 }
 
 impl ControlHandler for Recorder {
-    fn peer_joined(&self, peer: &PeerInfo) -> Result<(), String> {
+    fn peer_joined(&self, peer: &PeerInfo) -> Result<(), Refusal> {
         let mut record = self.record();
         if record.live.insert(peer.id, peer.addr).is_some() {
             record.violations.push(format!("peer_joined twice for peer {}", peer.id));
@@ -205,7 +207,7 @@ impl ControlHandler for Recorder {
         // Relaxed: see `reset_input`.
         if self.refuse_joins.load(Ordering::Relaxed) {
             record.live.remove(&peer.id);
-            return Err("the fuzz script refuses joins".to_owned());
+            return Err("the fuzz script refuses joins".into());
         }
         record.joined_addrs.push(peer.addr);
         record.joins += 1;
@@ -253,10 +255,10 @@ impl ControlHandler for Recorder {
         *self.record().refused.entry(error.code()).or_default() += 1;
     }
 
-    fn healthy(&self) -> Result<(), String> {
+    fn healthy(&self) -> Result<(), Refusal> {
         // Relaxed: see `reset_input`.
         if self.unhealthy.load(Ordering::Relaxed) {
-            return Err("the fuzz script made this side unhealthy".to_owned());
+            return Err("the fuzz script made this side unhealthy".into());
         }
         Ok(())
     }

@@ -30,5 +30,7 @@ pub mod transport;
 
 pub use key::{canonical_request_id, TransferKey};
 pub use layout::{KvLayout, LayoutError, Region, TokenOrder};
-pub use planner::{BlockList, DescriptorRun, Plan, PlanError, PlanRequest, PlanStats, Planner};
+pub use planner::{
+    BlockList, DescriptorRun, Incompatibility, Plan, PlanError, PlanRequest, PlanStats, Planner,
+};
 pub use rendezvous::{RendezvousError, RendezvousTable, TableConfig};

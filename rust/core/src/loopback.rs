@@ -15,8 +15,8 @@ use std::time::Duration;
 use crate::planner::DescriptorRun;
 use crate::sync::lock;
 use crate::transport::{
-    MemoryKind, MemoryRegion, MemorySpace, Notification, Transport, TransportError, WriteId,
-    WriteState,
+    MemoryKind, MemoryRegion, MemorySpace, Notification, Transport, TransportError, Unreachable,
+    WriteId, WriteState,
 };
 
 /// What peers can see of an agent: its memory and its mailbox.
@@ -123,14 +123,10 @@ impl Transport for LoopbackTransport {
     }
 
     /// A memcpy reaches host memory only.
-    fn can_write_into(&self, remote: MemorySpace) -> Result<(), String> {
+    fn can_write_into(&self, remote: MemorySpace) -> Result<(), Unreachable> {
         match remote.kind {
             MemoryKind::Dram => Ok(()),
-            MemoryKind::Vram => {
-                Err("the loopback transport copies with memcpy and reaches host memory only; use \
-                 transport=\"nixl\" (a CUDA-enabled NIXL/UCX) for GPU KV caches"
-                    .to_owned())
-            }
+            MemoryKind::Vram => Err(Unreachable::HostMemoryOnly { transport: "loopback" }),
         }
     }
 

@@ -168,6 +168,81 @@ impl CompactPlan {
     }
 }
 
+/// How P's and D's layouts, each valid, differ so that one cannot be written into the other;
+/// the text says how to make them agree.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum Incompatibility {
+    /// Different numbers of KV cache regions.
+    #[error(
+        "P has {p} KV cache regions and D has {d}; both must serve the same model (one region \
+         per layer and K/V)"
+    )]
+    RegionCount {
+        /// P's regions.
+        p: usize,
+        /// D's regions.
+        d: usize,
+    },
+    /// A region belongs to different KV cache groups.
+    #[error(
+        "region {region} belongs to KV cache group {p} on P but {d} on D; both must serve the \
+         same model with the same KV cache groups"
+    )]
+    RegionGroup {
+        /// The first region that differs.
+        region: usize,
+        /// Its group on P.
+        p: u32,
+        /// Its group on D.
+        d: u32,
+    },
+    /// Different bytes per KV head (head size or dtype).
+    #[error(
+        "a KV head is {p} bytes on P but {d} bytes on D; the head size and KV cache dtype must \
+         match"
+    )]
+    HeadBytes {
+        /// P's bytes per head.
+        p: u32,
+        /// D's bytes per head.
+        d: u32,
+    },
+    /// Different models: the engines hold different numbers of KV heads in all.
+    #[error(
+        "P holds {p_heads} KV heads x tp={p_tp} and D {d_heads} x tp={d_tp}, which are different \
+         models"
+    )]
+    Heads {
+        /// KV heads per P rank.
+        p_heads: u32,
+        /// P's tensor parallel size.
+        p_tp: u32,
+        /// KV heads per D rank.
+        d_heads: u32,
+        /// D's tensor parallel size.
+        d_tp: u32,
+    },
+    /// Different token orders (`VLLM_KV_CACHE_LAYOUT`).
+    #[error("P uses the {p} layout and D {d}; set the same VLLM_KV_CACHE_LAYOUT on both")]
+    TokenOrder {
+        /// P's.
+        p: TokenOrder,
+        /// D's.
+        d: TokenOrder,
+    },
+    /// Different tensor parallel sizes, which only the HND layout can serve.
+    #[error(
+        "P tp={p_tp} and D tp={d_tp} split heads differently; that needs the HND layout on both \
+         sides (VLLM_KV_CACHE_LAYOUT=HND)"
+    )]
+    SplitNeedsHnd {
+        /// P's tensor parallel size.
+        p_tp: u32,
+        /// D's tensor parallel size.
+        d_tp: u32,
+    },
+}
+
 /// Why a pair of layouts or a request cannot be planned.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum PlanError {
@@ -175,7 +250,7 @@ pub enum PlanError {
     #[error("P and D cannot exchange KV: {reason}")]
     Incompatible {
         /// What differs, and how to make it agree.
-        reason: String,
+        reason: Incompatibility,
     },
     /// One side's layout is invalid.
     #[error("the {side} KV cache layout is invalid: {source}")]
@@ -719,50 +794,32 @@ impl Planner {
     }
 }
 
-/// Why `dst` cannot receive `src`'s KV, as a sentence for [`PlanError::Incompatible`].
-fn check_compatible(src: &KvLayout, dst: &KvLayout) -> Result<(), String> {
+/// Why `dst` cannot receive `src`'s KV (see [`PlanError::Incompatible`]).
+fn check_compatible(src: &KvLayout, dst: &KvLayout) -> Result<(), Incompatibility> {
     if src.regions.len() != dst.regions.len() {
-        return Err(format!(
-            "P has {} KV cache regions and D has {}; both must serve the same model (one region \
-             per layer and K/V)",
-            src.regions.len(),
-            dst.regions.len()
-        ));
+        return Err(Incompatibility::RegionCount { p: src.regions.len(), d: dst.regions.len() });
     }
-    if let Some((index, (s, d))) =
+    if let Some((region, (s, d))) =
         src.regions.iter().zip(&dst.regions).enumerate().find(|(_, (s, d))| s.group != d.group)
     {
-        return Err(format!(
-            "region {index} belongs to KV cache group {} on P but {} on D; both must serve the \
-             same model with the same KV cache groups",
-            s.group, d.group
-        ));
+        return Err(Incompatibility::RegionGroup { region, p: s.group, d: d.group });
     }
     if src.head_bytes != dst.head_bytes {
-        return Err(format!(
-            "a KV head is {} bytes on P but {} bytes on D; the head size and KV cache dtype must \
-             match",
-            src.head_bytes, dst.head_bytes
-        ));
+        return Err(Incompatibility::HeadBytes { p: src.head_bytes, d: dst.head_bytes });
     }
     if src.total_heads() != dst.total_heads() {
-        return Err(format!(
-            "P holds {} KV heads x tp={} and D {} x tp={}, which are different models",
-            src.heads, src.tp_size, dst.heads, dst.tp_size
-        ));
+        return Err(Incompatibility::Heads {
+            p_heads: src.heads,
+            p_tp: src.tp_size,
+            d_heads: dst.heads,
+            d_tp: dst.tp_size,
+        });
     }
     if src.token_order != dst.token_order {
-        return Err(format!(
-            "P uses the {} layout and D {}; set the same VLLM_KV_CACHE_LAYOUT on both",
-            src.token_order, dst.token_order
-        ));
+        return Err(Incompatibility::TokenOrder { p: src.token_order, d: dst.token_order });
     }
     if src.tp_size != dst.tp_size && src.token_order != TokenOrder::Hnd {
-        return Err(format!(
-            "P tp={} and D tp={} split heads differently; that needs the HND layout on both sides \
-             (VLLM_KV_CACHE_LAYOUT=HND)",
-            src.tp_size, dst.tp_size
-        ));
+        return Err(Incompatibility::SplitNeedsHnd { p_tp: src.tp_size, d_tp: dst.tp_size });
     }
     Ok(())
 }

@@ -77,6 +77,20 @@ pub struct Notification {
     pub payload: Vec<u8>,
 }
 
+/// Why a transport cannot WRITE into a peer's memory (see [`Transport::can_write_into`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unreachable {
+    /// The transport copies with the CPU, which reaches host memory only.
+    #[error(
+        "the {transport} transport copies with memcpy and reaches host memory only; use \
+         transport=\"nixl\" (a CUDA-enabled NIXL/UCX) for GPU KV caches"
+    )]
+    HostMemoryOnly {
+        /// The transport's kind, as `EndpointConfig` names it.
+        transport: &'static str,
+    },
+}
+
 /// Why a transport call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{operation} failed: {detail}")]
@@ -111,7 +125,7 @@ pub trait Transport: Send {
     /// Whether this transport can WRITE from its registered memory into a peer's memory in
     /// `remote`; the error says why not. Asked at the handshake, so that a pair the transport
     /// cannot serve is refused there, naming both sides, instead of failing every request.
-    fn can_write_into(&self, remote: MemorySpace) -> Result<(), String> {
+    fn can_write_into(&self, remote: MemorySpace) -> Result<(), Unreachable> {
         let _ = remote;
         Ok(())
     }

@@ -17,7 +17,9 @@ use kvpush_core::protocol::{
     unix_millis, BlockGroup, Cancel, Done, Encoder, Hello, Message, Register, Secret,
     PROTOCOL_VERSION,
 };
-use kvpush_core::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig};
+use kvpush_core::side_channel::{
+    ControlHandler, PeerId, PeerInfo, Refusal, SideChannel, SideChannelConfig,
+};
 use kvpush_core::transport::{
     MemoryRegion, MemorySpace, Notification, Transport, TransportError, WriteId, WriteState,
 };
@@ -505,7 +507,7 @@ fn a_panicking_writer_fails_everything_and_refuses_new_work() {
     assert!(sent
         .iter()
         .all(|e| matches!(&e.outcome, Outcome::Failed(r) if r.contains("panicked"))));
-    let health = p.health().unwrap_err();
+    let health = p.health().unwrap_err().to_string();
     assert!(health.contains("panicked"), "{health}");
     assert!(p.ready(ready("req-late", &[5], 10)).is_err(), "an unhealthy P takes new work");
     assert_eq!(p.pending(), 0);
@@ -618,7 +620,10 @@ fn another_peer_cannot_take_over_or_cancel_a_registration() {
 struct SilentP;
 
 impl kvpush_core::side_channel::ControlHandler for SilentP {
-    fn peer_joined(&self, _peer: &kvpush_core::side_channel::PeerInfo) -> Result<(), String> {
+    fn peer_joined(
+        &self,
+        _peer: &kvpush_core::side_channel::PeerInfo,
+    ) -> Result<(), kvpush_core::side_channel::Refusal> {
         Ok(())
     }
     fn message(&self, _peer: kvpush_core::side_channel::PeerId, _message: Message) {}
@@ -867,7 +872,7 @@ impl Recorder {
 }
 
 impl ControlHandler for Recorder {
-    fn peer_joined(&self, _peer: &PeerInfo) -> Result<(), String> {
+    fn peer_joined(&self, _peer: &PeerInfo) -> Result<(), Refusal> {
         Ok(())
     }
     fn message(&self, _peer: PeerId, message: Message) {

@@ -16,7 +16,7 @@ use kvpush_core::protocol::{
     Secret,
 };
 use kvpush_core::side_channel::{
-    ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig, SideChannelError,
+    ControlHandler, PeerId, PeerInfo, Refusal, SideChannel, SideChannelConfig, SideChannelError,
 };
 
 /// Long enough for anything that should happen "promptly" on a loaded 2-core CI machine.
@@ -110,9 +110,9 @@ impl Recorder {
 }
 
 impl ControlHandler for Recorder {
-    fn peer_joined(&self, peer: &PeerInfo) -> Result<(), String> {
+    fn peer_joined(&self, peer: &PeerInfo) -> Result<(), Refusal> {
         if let Some(reason) = self.refuse.lock().expect("recorder lock").clone() {
-            return Err(reason);
+            return Err(reason.into());
         }
         self.push(Event::Joined(peer.clone()));
         Ok(())
@@ -738,7 +738,7 @@ fn close_is_idempotent_reports_every_peer_and_joins_every_thread() {
 fn closing_from_inside_a_callback_does_not_deadlock() {
     struct CloseOnMessage(Mutex<Option<Arc<SideChannel>>>, Recorder);
     impl ControlHandler for CloseOnMessage {
-        fn peer_joined(&self, peer: &PeerInfo) -> Result<(), String> {
+        fn peer_joined(&self, peer: &PeerInfo) -> Result<(), Refusal> {
             self.1.peer_joined(peer)
         }
         fn message(&self, _: PeerId, _: Message) {

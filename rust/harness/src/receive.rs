@@ -44,7 +44,9 @@ use kvpush_core::protocol::{
     unix_millis, BlockGroup, CancelAck, Done, Encoder, ErrorReply, Fail, FailReason, Hello, Limits,
     Message, PROTOCOL_VERSION,
 };
-use kvpush_core::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig};
+use kvpush_core::side_channel::{
+    ControlHandler, PeerId, PeerInfo, Refusal, SideChannel, SideChannelConfig,
+};
 use kvpush_core::transport::{MemorySpace, Transport};
 
 use crate::cache::{Cache, Shape};
@@ -320,7 +322,7 @@ struct Ear {
 }
 
 impl ControlHandler for Ear {
-    fn peer_joined(&self, peer: &PeerInfo) -> Result<(), String> {
+    fn peer_joined(&self, peer: &PeerInfo) -> Result<(), Refusal> {
         self.connections.lock().unwrap_or_else(PoisonError::into_inner).push(peer.id);
         Ok(())
     }

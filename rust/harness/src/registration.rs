@@ -46,9 +46,12 @@ use kvpush_core::protocol::{
     Hello, Limits, Message, Register, PROTOCOL_VERSION,
 };
 use kvpush_core::rendezvous::TableConfig;
-use kvpush_core::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig};
+use kvpush_core::side_channel::{
+    ControlHandler, PeerId, PeerInfo, Refusal, SideChannel, SideChannelConfig,
+};
 use kvpush_core::transport::{
-    MemoryRegion, MemorySpace, Notification, Transport, TransportError, WriteId, WriteState,
+    MemoryRegion, MemorySpace, Notification, Transport, TransportError, Unreachable, WriteId,
+    WriteState,
 };
 
 use crate::cache::{Cache, Shape};
@@ -594,7 +597,7 @@ impl Transport for Watched {
         // SAFETY: forwarded; the caller's promise covers the inner transport.
         unsafe { self.inner.register_memory(regions) }
     }
-    fn can_write_into(&self, remote: MemorySpace) -> Result<(), String> {
+    fn can_write_into(&self, remote: MemorySpace) -> Result<(), Unreachable> {
         self.inner.can_write_into(remote)
     }
     fn metadata(&mut self) -> Result<Vec<u8>, TransportError> {
@@ -677,7 +680,7 @@ struct Inbox {
 }
 
 impl ControlHandler for Inbox {
-    fn peer_joined(&self, _peer: &PeerInfo) -> Result<(), String> {
+    fn peer_joined(&self, _peer: &PeerInfo) -> Result<(), Refusal> {
         Ok(())
     }
     fn message(&self, _peer: PeerId, message: Message) {

@@ -104,23 +104,38 @@ fn sysctl(name: &str) -> Option<u32> {
 ///
 /// # Errors
 ///
-/// [`DELIVERY_BOUND_ENV`] is set but is not a number of seconds >= 0; the text says so.
-pub fn delivery_bound() -> Result<Duration, String> {
+/// [`DELIVERY_BOUND_ENV`] is set but is not a number of seconds >= 0.
+pub fn delivery_bound() -> Result<Duration, BadDeliveryBound> {
     match std::env::var(DELIVERY_BOUND_ENV) {
         Ok(given) => parse_seconds(&given),
         Err(_) => Ok(Carrier::from_env().delivery_bound()),
     }
 }
 
+/// Why [`DELIVERY_BOUND_ENV`]'s value is not a delivery bound.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BadDeliveryBound {
+    /// Not a number.
+    #[error("{DELIVERY_BOUND_ENV} must be seconds, not {given:?}")]
+    NotSeconds {
+        /// The variable's value.
+        given: String,
+    },
+    /// A number that is no duration: negative, infinite or NaN.
+    #[error("{DELIVERY_BOUND_ENV} must be a finite number of seconds >= 0, not {value}")]
+    OutOfRange {
+        /// The number given.
+        value: f64,
+    },
+}
+
 /// [`DELIVERY_BOUND_ENV`]'s value as a duration.
-fn parse_seconds(given: &str) -> Result<Duration, String> {
+fn parse_seconds(given: &str) -> Result<Duration, BadDeliveryBound> {
     let value: f64 = given
         .trim()
         .parse()
-        .map_err(|_| format!("{DELIVERY_BOUND_ENV} must be seconds, not {given:?}"))?;
-    Duration::try_from_secs_f64(value).map_err(|_| {
-        format!("{DELIVERY_BOUND_ENV} must be a finite number of seconds >= 0, not {value}")
-    })
+        .map_err(|_| BadDeliveryBound::NotSeconds { given: given.to_owned() })?;
+    Duration::try_from_secs_f64(value).map_err(|_| BadDeliveryBound::OutOfRange { value })
 }
 
 #[cfg(test)]
@@ -164,10 +179,10 @@ mod tests {
     fn an_explicit_bound_must_be_seconds() {
         assert_eq!(parse_seconds(" 2.5 "), Ok(Duration::from_millis(2_500)));
         assert_eq!(parse_seconds("0"), Ok(Duration::ZERO));
-        let err = parse_seconds("soon").unwrap_err();
+        let err = parse_seconds("soon").unwrap_err().to_string();
         assert!(err.contains(DELIVERY_BOUND_ENV) && err.contains("\"soon\""), "{err}");
         for bad in ["-1", "inf", "NaN"] {
-            let err = parse_seconds(bad).unwrap_err();
+            let err = parse_seconds(bad).unwrap_err().to_string();
             assert!(err.contains("finite number of seconds >= 0"), "{bad}: {err}");
         }
     }

@@ -65,8 +65,8 @@ mod transport;
 
 pub use api::{Library, CAPI_PATH_ENV, SYMBOLS};
 pub use delivery::{
-    delivery_bound, tcp_retransmission_span, tls_allows_tcp, Carrier, DELIVERY_BOUND_ENV,
-    RDMA_DELIVERY_BOUND,
+    delivery_bound, tcp_retransmission_span, tls_allows_tcp, BadDeliveryBound, Carrier,
+    DELIVERY_BOUND_ENV, RDMA_DELIVERY_BOUND,
 };
 pub use error::{LoadError, NixlError, Status};
 pub use transport::{AgentConfig, NixlTransport, Progress, MIN_PROGRESS_INTERVAL_US};

@@ -257,7 +257,7 @@ impl Endpoint {
 
     /// None while healthy; else why the writer stopped or stalled (new work is refused).
     fn health(&self) -> Option<String> {
-        self.0.health().err()
+        self.0.health().err().map(|unhealthy| unhealthy.to_string())
     }
 
     /// Where the KV cache was registered: ("dram", 0) or ("vram", device).

@@ -21,6 +21,7 @@ use std::sync::Mutex;
 use sha2::{Digest as _, Sha256};
 
 use crate::sync::lock;
+use crate::transport::TransportError;
 
 /// SHA-256 of a peer's agent metadata.
 pub(crate) type Digest = [u8; 32];
@@ -47,9 +48,14 @@ pub(crate) struct Agents {
 }
 
 impl Agents {
-    /// A connection whose peer declared agent `name` with metadata `digest` joins. `Err(reason)`
-    /// when `name` stands for another agent here; the connection must then be refused.
-    pub(crate) fn claim(&self, engine_id: &str, name: &str, digest: Digest) -> Result<(), String> {
+    /// A connection whose peer declared agent `name` with metadata `digest` joins. `Err` when
+    /// `name` stands for another agent here; the connection must then be refused.
+    pub(crate) fn claim(
+        &self,
+        engine_id: &str,
+        name: &str,
+        digest: Digest,
+    ) -> Result<(), AgentCollision> {
         let mut bindings = lock(&self.bindings);
         match bindings.get_mut(name) {
             Some(bound) if bound.digest != digest => Err(collision(engine_id, name)),
@@ -76,8 +82,13 @@ impl Agents {
     }
 
     /// Whether the transport may use (load, or share) agent `name` for a peer whose metadata
-    /// has `digest`: `Err(reason)` when the name is bound to another agent. Marks it loaded.
-    pub(crate) fn load(&self, engine_id: &str, name: &str, digest: Digest) -> Result<(), String> {
+    /// has `digest`: `Err` when the name is bound to another agent. Marks it loaded.
+    pub(crate) fn load(
+        &self,
+        engine_id: &str,
+        name: &str,
+        digest: Digest,
+    ) -> Result<(), AgentCollision> {
         let mut bindings = lock(&self.bindings);
         let bound = bindings.entry(name.to_owned()).or_insert(Binding {
             digest,
@@ -103,13 +114,42 @@ impl Agents {
     }
 }
 
-fn collision(engine_id: &str, name: &str) -> String {
-    format!(
-        "peer {engine_id} declares NIXL agent {name:?}, but that name already stands for another \
-         agent here (different agent metadata): two processes use one agent name. Give every \
-         worker a unique agent name (the default is unique per process), then restart the one \
-         that reused it"
-    )
+/// A peer declares an agent name bound here to other metadata: two processes use one name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "peer {engine_id} declares NIXL agent {name:?}, but that name already stands for another \
+     agent here (different agent metadata): two processes use one agent name. Give every \
+     worker a unique agent name (the default is unique per process), then restart the one \
+     that reused it"
+)]
+pub(crate) struct AgentCollision {
+    /// The peer's engine.
+    pub(crate) engine_id: String,
+    /// The agent name it declared.
+    pub(crate) name: String,
+}
+
+/// Why P cannot use a peer's transport agent, so cannot write into the peer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum UnusableAgent {
+    /// The peer's Hello carried no agent metadata.
+    #[error("peer {engine_id} sent no agent metadata: it cannot be written to")]
+    NoMetadata { engine_id: String },
+    /// The name stands for another agent here.
+    #[error(transparent)]
+    Collision(#[from] AgentCollision),
+    /// The transport could not load the metadata.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The metadata loaded as another agent than the Hello declared.
+    #[error(
+        "peer {engine_id}'s agent metadata names agent {loaded:?} but its hello says {declared:?}"
+    )]
+    Misnamed { engine_id: String, loaded: String, declared: String },
+}
+
+fn collision(engine_id: &str, name: &str) -> AgentCollision {
+    AgentCollision { engine_id: engine_id.to_owned(), name: name.to_owned() }
 }
 
 #[cfg(test)]
@@ -124,7 +164,9 @@ mod tests {
         // The same process again (a reconnect) shares the name; another process does not.
         agents.claim("d-0", "a", first).unwrap();
         let refused = agents.claim("d-1", "a", second).unwrap_err();
-        assert!(refused.contains("\"a\"") && refused.contains("d-1"), "{refused}");
+        assert_eq!(refused, collision("d-1", "a"));
+        let text = refused.to_string();
+        assert!(text.contains("\"a\"") && text.contains("d-1"), "{text}");
         agents.load("d-0", "a", first).unwrap();
         assert!(agents.load("d-1", "a", second).is_err(), "the writer's check agrees");
         // Both connections gone, but a write still holds the agent: still bound.

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::side_channel::SideChannel;
 
-use super::writer::{Command, ConnectFailure};
+use super::command::{Command, ConnectFailure};
 use super::Shared;
 
 /// Most connects running at once.

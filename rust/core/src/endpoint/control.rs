@@ -27,26 +27,25 @@
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::mem::size_of;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::key::TransferKey;
 use crate::protocol::{
-    BlockGroup, Fail, FailReason, Hello, Message, ProtocolError, Register, PROTOCOL_VERSION,
+    Fail, FailReason, Hello, Message, ProtocolError, Register, PROTOCOL_VERSION,
 };
 use crate::rendezvous::{Arrival, Cancelled, FenceReason, Owner, RendezvousError, TakeReady};
-use crate::side_channel::{ControlHandler, PeerId, PeerInfo};
+use crate::side_channel::{ControlHandler, PeerId, PeerInfo, Refusal};
 use crate::sync::lock;
-use crate::transport::{MemoryKind, MemorySpace};
+use crate::transport::{MemoryKind, MemorySpace, Unreachable};
 
-use super::agents;
+use super::agents::{self, AgentCollision};
+use super::command::Command;
 use super::fanout::{self, FanOut};
-use super::send::Registration;
-use super::writer::Command;
-use super::{Counters, Shared};
+use super::halves::{registration_bytes, Registration};
+use super::quota::{Held, OverQuota, Quota, Slot};
+use super::{Counters, Shared, Unhealthy};
 
 /// Longest TTL a peer may ask the table to hold a registration for.
 const MAX_REGISTRATION_TTL: Duration = Duration::from_secs(3_600);
@@ -56,84 +55,73 @@ const MAX_REGISTRATION_TTL: Duration = Duration::from_secs(3_600);
 /// heartbeat timeout.
 const ROOM_WAIT: Duration = Duration::from_millis(100);
 
-/// What the peers of one host may hold in P's table at once.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Quota {
-    /// Registrations (`max_registrations_per_host`).
-    pub(crate) entries: usize,
-    /// Their bytes, as [`registration_bytes`] counts them (`max_registration_bytes_per_host`).
-    pub(crate) bytes: usize,
+/// Why P does not take a registration on (the detail of D's FAIL).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum Unadmitted {
+    /// The writer's inbox stayed full for `ROOM_WAIT`.
+    #[error(
+        "transfer {key}: P is overloaded: {queued} commands wait for its writer thread \
+         (capacity {capacity}); retry later, or send the request to another prefill worker"
+    )]
+    Overloaded { key: String, queued: usize, capacity: usize },
+    /// D's host holds `max_registrations_per_host` registrations already.
+    #[error(
+        "transfer {key}: D's host {host} already holds {entries} registrations on P; finish or \
+         cancel some, or raise max_registrations_per_host"
+    )]
+    TooManyRegistrations { key: String, host: IpAddr, entries: usize },
+    /// This registration alone holds more than a host's budget.
+    #[error(
+        "transfer {key}: this registration holds {bytes} bytes, more than the {budget} bytes a \
+         host's registrations may hold on P; raise max_registration_bytes_per_host"
+    )]
+    TooLarge { key: String, bytes: usize, budget: usize },
+    /// This registration would take its host past its budget.
+    #[error(
+        "transfer {key}: D's host {host} already holds {held} bytes of registrations on P, and \
+         this one ({bytes} bytes) would pass the host's budget of {budget} bytes; finish or \
+         cancel some, or raise max_registration_bytes_per_host"
+    )]
+    OverBudget { key: String, host: IpAddr, held: usize, bytes: usize, budget: usize },
 }
 
-/// What the registrations of one host hold in P's table now.
-#[derive(Debug, Default)]
-struct Held {
-    entries: AtomicUsize,
-    bytes: AtomicUsize,
-}
-
-/// About what a registration holds in P's memory once decoded: its block ids (4 bytes each), its
-/// strings, each group's list, and the table entry around it. Computed once, when it arrives.
-pub(crate) fn registration_bytes(register: &Register) -> usize {
-    /// The table's entry and hashing around a registration, beyond the value itself.
-    const ENTRY: usize = 64;
-    let strings =
-        [&register.transfer_key, &register.request_id, &register.engine_id, &register.address]
-            .iter()
-            .map(|s| s.len())
-            .sum::<usize>();
-    let groups = register
-        .groups
-        .iter()
-        .map(|g| size_of::<BlockGroup>().saturating_add(g.block_ids.len().saturating_mul(4)))
-        .fold(0usize, usize::saturating_add);
-    (size_of::<Registration>() + ENTRY).saturating_add(strings).saturating_add(groups)
-}
-
-/// One registration's share of its host's [`Quota`]: one entry and its bytes, given back when
-/// the registration that holds it is dropped (matched and written, superseded, cancelled,
-/// expired or purged).
-#[derive(Debug)]
-pub(crate) struct Slot {
-    held: Arc<Held>,
-    bytes: usize,
-}
-
-/// Why a registration found no room in its host's quota.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum OverQuota {
-    /// The host holds `quota.entries` registrations already.
-    Entries,
-    /// The registration's bytes would take the host past `quota.bytes`; it held `held`.
-    Bytes { held: usize },
-}
-
-impl Slot {
-    /// One entry and `bytes` of `held`'s quota, if there is room for both.
-    fn take(held: &Arc<Held>, bytes: usize, quota: Quota) -> Result<Self, OverQuota> {
-        // Relaxed: quota counters; the registration itself is published by the table's lock.
-        // Each read-modify-write alone keeps its count exact; an arrival that overshoots backs
-        // its share out again.
-        if held.entries.fetch_add(1, Ordering::Relaxed) >= quota.entries {
-            held.entries.fetch_sub(1, Ordering::Relaxed);
-            return Err(OverQuota::Entries);
-        }
-        let before = held.bytes.fetch_add(bytes, Ordering::Relaxed);
-        if before.saturating_add(bytes) > quota.bytes {
-            held.bytes.fetch_sub(bytes, Ordering::Relaxed);
-            held.entries.fetch_sub(1, Ordering::Relaxed);
-            return Err(OverQuota::Bytes { held: before });
-        }
-        Ok(Self { held: Arc::clone(held), bytes })
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        // Relaxed: see `take`.
-        self.held.bytes.fetch_sub(self.bytes, Ordering::Relaxed);
-        self.held.entries.fetch_sub(1, Ordering::Relaxed);
-    }
+/// Why a peer that finished its handshake is refused (the text of its `incompatible` error).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum Unjoined {
+    /// No protocol version in common.
+    #[error(
+        "peer {engine_id} speaks kvpush protocol versions {versions:?}, this worker speaks \
+         {PROTOCOL_VERSION}"
+    )]
+    Versions { engine_id: String, versions: Vec<u16> },
+    /// Another model configuration.
+    #[error(
+        "peer {engine_id} serves a different model configuration (compatibility {theirs:?}, \
+         this worker {ours:?}); pair prefill and decode engines of the same model, dtype and KV \
+         layout"
+    )]
+    Compatibility { engine_id: String, theirs: String, ours: String },
+    /// P's transport cannot write into the peer's memory.
+    #[error(
+        "this worker's KV cache is in {ours} and peer {engine_id}'s is in {theirs}, which this \
+         worker's transport cannot write into: {source}"
+    )]
+    Unreachable { ours: MemorySpace, engine_id: String, theirs: MemorySpace, source: Unreachable },
+    /// This worker's writer died or stalled.
+    #[error(transparent)]
+    Unhealthy(#[from] Unhealthy),
+    /// The writer's inbox stayed full for `ROOM_WAIT`.
+    #[error(
+        "this worker is overloaded: {queued} commands wait for its writer thread (capacity \
+         {capacity}); retry later"
+    )]
+    Overloaded { queued: usize, capacity: usize },
+    /// The peer's agent name stands for another agent here.
+    #[error(transparent)]
+    Agent(#[from] AgentCollision),
+    /// The endpoint is closing.
+    #[error("this worker is shutting down")]
+    ShuttingDown,
 }
 
 /// What P knows of a joined D connection.
@@ -156,7 +144,7 @@ pub(crate) struct Control {
     /// Where this worker's KV lives, and why its transport cannot write into a peer's VRAM
     /// (`None`: it can): a D whose cache the transport cannot reach is refused at the handshake.
     memory: MemorySpace,
-    vram_refusal: Option<String>,
+    vram_refusal: Option<Unreachable>,
     peers: Mutex<HashMap<PeerId, PeerEntry>>,
     /// What each host's registrations hold, shared by its peers' entries. One small entry per
     /// host that ever authenticated.
@@ -178,7 +166,7 @@ impl Control {
         compatibility: String,
         quota: Quota,
         memory: MemorySpace,
-        vram_refusal: Option<String>,
+        vram_refusal: Option<Unreachable>,
     ) -> Self {
         Self {
             shared,
@@ -223,8 +211,8 @@ impl Control {
         }
         let slot = match self.admit(&entry, &register) {
             Ok(slot) => slot,
-            Err(detail) => {
-                self.refuse(peer, &register, FailReason::Refused, detail);
+            Err(unadmitted) => {
+                self.refuse(peer, &register, FailReason::Refused, unadmitted.to_string());
                 return;
             }
         };
@@ -284,35 +272,31 @@ impl Control {
 
     /// Whether P takes `register` on: room in the writer's inbox (waiting up to `ROOM_WAIT`)
     /// and in its host's quota. The quota slot it holds, or why not, for D.
-    fn admit(&self, entry: &PeerEntry, register: &Register) -> Result<Slot, String> {
+    fn admit(&self, entry: &PeerEntry, register: &Register) -> Result<Slot, Unadmitted> {
         let key = &register.transfer_key;
         if let Err(full) = self.shared.inbox.wait_for_room(ROOM_WAIT) {
             Counters::add(&self.shared.counters.overloaded);
-            return Err(format!(
-                "transfer {key}: P is overloaded: {} commands wait for its writer thread \
-                 (capacity {}); retry later, or send the request to another prefill worker",
-                full.queued, full.capacity
-            ));
+            return Err(Unadmitted::Overloaded {
+                key: key.clone(),
+                queued: full.queued,
+                capacity: full.capacity,
+            });
         }
         let bytes = registration_bytes(register);
         let host = entry.host;
+        let budget = self.quota.bytes;
         Slot::take(&entry.held, bytes, self.quota).map_err(|over| match over {
-            OverQuota::Entries => format!(
-                "transfer {key}: D's host {host} already holds {} registrations on P; finish \
-                 or cancel some, or raise max_registrations_per_host",
-                self.quota.entries
-            ),
-            OverQuota::Bytes { .. } if bytes > self.quota.bytes => format!(
-                "transfer {key}: this registration holds {bytes} bytes, more than the {} bytes \
-                 a host's registrations may hold on P; raise max_registration_bytes_per_host",
-                self.quota.bytes
-            ),
-            OverQuota::Bytes { held } => format!(
-                "transfer {key}: D's host {host} already holds {held} bytes of registrations on \
-                 P, and this one ({bytes} bytes) would pass the host's budget of {} bytes; \
-                 finish or cancel some, or raise max_registration_bytes_per_host",
-                self.quota.bytes
-            ),
+            OverQuota::Entries => Unadmitted::TooManyRegistrations {
+                key: key.clone(),
+                host,
+                entries: self.quota.entries,
+            },
+            OverQuota::Bytes { .. } if bytes > budget => {
+                Unadmitted::TooLarge { key: key.clone(), bytes, budget }
+            }
+            OverQuota::Bytes { held } => {
+                Unadmitted::OverBudget { key: key.clone(), host, held, bytes, budget }
+            }
         })
     }
 
@@ -413,41 +397,39 @@ impl Control {
     }
 }
 
-impl ControlHandler for Control {
-    fn peer_joined(&self, peer: &PeerInfo) -> Result<(), String> {
+impl Control {
+    /// Whether P (or D) takes on a peer that finished its handshake; see `peer_joined`.
+    fn join(&self, peer: &PeerInfo) -> Result<(), Unjoined> {
         let hello = &peer.hello;
         if !hello.versions.contains(&PROTOCOL_VERSION) {
-            return Err(format!(
-                "peer {} speaks kvpush protocol versions {:?}, this worker speaks {PROTOCOL_VERSION}",
-                hello.engine_id, hello.versions
-            ));
+            return Err(Unjoined::Versions {
+                engine_id: hello.engine_id.clone(),
+                versions: hello.versions.clone(),
+            });
         }
         if hello.compatibility != self.compatibility {
-            return Err(format!(
-                "peer {} serves a different model configuration (compatibility {:?}, this worker \
-                 {:?}); pair prefill and decode engines of the same model, dtype and KV layout",
-                hello.engine_id, hello.compatibility, self.compatibility
-            ));
+            return Err(Unjoined::Compatibility {
+                engine_id: hello.engine_id.clone(),
+                theirs: hello.compatibility.clone(),
+                ours: self.compatibility.clone(),
+            });
         }
         // P writes into every D that connects to it: refuse one whose KV cache our transport
         // cannot reach now, rather than fail each of its requests later.
-        if let (true, MemoryKind::Vram, Some(reason)) =
+        if let (true, MemoryKind::Vram, Some(unreachable)) =
             (peer.inbound, hello.memory.kind, &self.vram_refusal)
         {
-            return Err(format!(
-                "this worker's KV cache is in {} and peer {}'s is in {}, which this worker's \
-                 transport cannot write into: {reason}",
-                self.memory, hello.engine_id, hello.memory
-            ));
+            return Err(Unjoined::Unreachable {
+                ours: self.memory,
+                engine_id: hello.engine_id.clone(),
+                theirs: hello.memory,
+                source: unreachable.clone(),
+            });
         }
         self.shared.health()?;
         if let Err(full) = self.shared.inbox.wait_for_room(ROOM_WAIT) {
             Counters::add(&self.shared.counters.overloaded);
-            return Err(format!(
-                "this worker is overloaded: {} commands wait for its writer thread (capacity \
-                 {}); retry later",
-                full.queued, full.capacity
-            ));
+            return Err(Unjoined::Overloaded { queued: full.queued, capacity: full.capacity });
         }
         // Last: a claim is released only by this peer's loss, which follows an `Ok` alone.
         let digest = agents::digest(&hello.agent_metadata);
@@ -462,8 +444,14 @@ impl ControlHandler for Control {
         } else {
             lock(&self.peers).remove(&peer.id);
             self.shared.agents.release(&hello.agent_name);
-            Err("this worker is shutting down".to_owned())
+            Err(Unjoined::ShuttingDown)
         }
+    }
+}
+
+impl ControlHandler for Control {
+    fn peer_joined(&self, peer: &PeerInfo) -> Result<(), Refusal> {
+        Ok(self.join(peer)?)
     }
 
     fn message(&self, peer: PeerId, message: Message) {
@@ -495,52 +483,7 @@ impl ControlHandler for Control {
         Counters::add(&self.shared.counters.refused_frames);
     }
 
-    fn healthy(&self) -> Result<(), String> {
-        self.shared.health()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn register(block_ids: u32) -> Register {
-        Register {
-            transfer_key: "xfer-1".into(),
-            request_id: "cmpl-xfer-1-0".into(),
-            epoch: 1,
-            engine_id: "decode-0".into(),
-            address: "10.0.0.7:5600".into(),
-            tp_rank: 0,
-            tp_size: 1,
-            groups: vec![BlockGroup { first_token: 0, block_ids: (0..block_ids).collect() }],
-            num_tokens: 16,
-            ttl_ms: 1_000,
-            fanout: 1,
-            nonce: 0,
-        }
-    }
-
-    #[test]
-    fn a_registration_costs_four_bytes_a_block_id_over_a_fixed_overhead() {
-        let empty = registration_bytes(&register(0));
-        assert!(empty >= size_of::<Registration>(), "{empty}");
-        assert_eq!(registration_bytes(&register(1_000)) - empty, 4_000);
-    }
-
-    #[test]
-    fn a_host_s_quota_counts_entries_and_bytes_and_each_slot_gives_its_share_back() {
-        let held = Arc::new(Held::default());
-        let quota = Quota { entries: 2, bytes: 10_000 };
-        let first = Slot::take(&held, 6_000, quota).unwrap();
-        assert_eq!(Slot::take(&held, 6_000, quota).unwrap_err(), OverQuota::Bytes { held: 6_000 });
-        let second = Slot::take(&held, 4_000, quota).unwrap();
-        assert_eq!(Slot::take(&held, 1, quota).unwrap_err(), OverQuota::Entries);
-        drop(first);
-        let third = Slot::take(&held, 6_000, quota).unwrap();
-        drop((second, third));
-        // Relaxed: no other thread touches these.
-        assert_eq!(held.entries.load(Ordering::Relaxed), 0);
-        assert_eq!(held.bytes.load(Ordering::Relaxed), 0);
+    fn healthy(&self) -> Result<(), Refusal> {
+        Ok(self.shared.health()?)
     }
 }

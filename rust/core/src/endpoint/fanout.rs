@@ -30,7 +30,7 @@ use crate::rendezvous::{Arrival, FenceReason, Match};
 use crate::sync::lock;
 
 use super::events::{Outcome, Reason};
-use super::send::{Ready, Registration};
+use super::halves::{Ready, Registration};
 use super::Shared;
 
 /// The groups of an endpoint, by transfer key (without slot).

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::writer::Command;
+use super::command::Command;
 
 /// How often [`Inbox::wait_for_room`] looks again.
 const ROOM_POLL: Duration = Duration::from_millis(1);

@@ -11,8 +11,8 @@ use crate::protocol::Message;
 use crate::side_channel::{PeerId, PeerInfo, SideChannel, SideChannelError};
 use crate::sync::lock;
 
+use super::command::ConnectFailure;
 use super::connector::Connector;
-use super::writer::ConnectFailure;
 use super::Shared;
 
 /// The writer's side of the side channel. The methods mean what [`SideChannel`]'s of the same

@@ -25,7 +25,12 @@
 //!
 //! - `control`: the side channel's handler: D's registrations and cancels meet the table on the
 //!   reader thread that received them.
-//! - `writer`: the writer thread's loop, which drives both paths below, and its end.
+//! - `halves`: the two halves the table pairs (D's registration, P's ready KV); `quota`: what
+//!   one host's registrations may hold in the table, and each one's share of it.
+//! - `command`: what the writer thread is asked to do, by the engine, the readers and the
+//!   connector.
+//! - `writer`: the writer thread's loop, which drives both paths below, and its end; `context`:
+//!   what it lends both paths (the transport, the peers it knows, where messages and events go).
 //! - `send`: P's send path: a match is planned, fenced by D's lease, posted, polled and
 //!   finished, and reported as one `Send` event.
 //! - `receive`: D's receive path: registration with each P rank, DONEs, FAILs, cancels and
@@ -42,12 +47,16 @@
 
 mod agents;
 mod awaited;
+mod command;
 mod connector;
+mod context;
 mod control;
 mod events;
 mod fanout;
+mod halves;
 mod inbox;
 mod link;
+mod quota;
 mod receive;
 mod send;
 #[cfg(any(test, feature = "sim"))]
@@ -78,9 +87,10 @@ use crate::side_channel::{SideChannel, SideChannelConfig};
 use crate::sync::lock;
 use crate::transport::{MemoryKind, MemorySpace, Transport, TransportError};
 
+use command::Command;
 use control::Control;
 use link::{ChannelLink, Link};
-use writer::{Command, Writer};
+use writer::Writer;
 
 /// How an [`Endpoint`] is set up.
 #[derive(Debug, Clone)]
@@ -252,6 +262,28 @@ pub enum AbortOutcome {
     Unknown,
 }
 
+/// Why the endpoint takes no new work: its writer thread is gone or stuck (see
+/// [`Endpoint::health`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unhealthy {
+    /// The writer thread stopped for good (a transport error it could not survive, or a panic).
+    #[error("{reason}")]
+    WriterDied {
+        /// What stopped it.
+        reason: String,
+    },
+    /// The writer thread has not run for a while although the rest of the process did.
+    #[error(
+        "the writer thread has not run for {:.1}s while the rest of the process did (stuck in a \
+         transport call?)",
+        .silent.as_secs_f64()
+    )]
+    WriterStalled {
+        /// How long it has been silent.
+        silent: Duration,
+    },
+}
+
 /// Why an endpoint call was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum EndpointError {
@@ -280,7 +312,7 @@ pub enum EndpointError {
         "the kvpush endpoint is unhealthy ({0}); pending transfers were failed; restart the \
          worker"
     )]
-    Unhealthy(String),
+    Unhealthy(Unhealthy),
     /// The endpoint was closed.
     #[error("the kvpush endpoint is closed; create a new one")]
     Closed,
@@ -383,7 +415,7 @@ pub struct Stats {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) counters: Counters,
-    pub(crate) table: RendezvousTable<send::Registration, Arc<send::Ready>>,
+    pub(crate) table: RendezvousTable<halves::Registration, Arc<halves::Ready>>,
     /// P: transfers written into several D ranks (see `fanout`). Taken around table operations
     /// on such keys only, never while a table shard is locked.
     pub(crate) fanouts: Mutex<fanout::FanOuts>,
@@ -476,10 +508,10 @@ impl Shared {
         self.clock.unix_millis()
     }
 
-    /// `Err(reason)` once the writer died or stalled.
-    pub(crate) fn health(&self) -> Result<(), String> {
+    /// `Err` once the writer died or stalled.
+    pub(crate) fn health(&self) -> Result<(), Unhealthy> {
         if let Some(reason) = self.dead.get() {
-            return Err(reason.clone());
+            return Err(Unhealthy::WriterDied { reason: reason.clone() });
         }
         // Relaxed: timestamps read on their own; a stale one only delays the verdict by a call.
         let now = self.millis();
@@ -487,11 +519,7 @@ impl Shared {
         // Every caller is a thread other than the writer: it proves the process runs now.
         let others = self.others_beat_ms.swap(now, Ordering::Relaxed);
         match writer_stall(now, beat, others, self.stall_after) {
-            Some(silent) => Err(format!(
-                "the writer thread has not run for {:.1}s while the rest of the process did \
-                 (stuck in a transport call?)",
-                silent.as_secs_f64()
-            )),
+            Some(silent) => Err(Unhealthy::WriterStalled { silent }),
             None => Ok(()),
         }
     }
@@ -630,7 +658,7 @@ impl Endpoint {
         let control = Arc::new(Control::new(
             Arc::clone(&shared),
             config.compatibility.clone(),
-            control::Quota {
+            quota::Quota {
                 entries: config.max_registrations_per_host,
                 bytes: config.max_registration_bytes_per_host,
             },
@@ -675,7 +703,7 @@ impl Endpoint {
         let key = TransferKey::for_request(ready.transfer_id.as_deref(), &ready.request_id);
         let now = self.shared.now();
         let deadline = now + ready.ttl;
-        let ready = Arc::new(send::Ready { kv: ready, at: now });
+        let ready = Arc::new(halves::Ready { kv: ready, at: now });
         let matches = {
             // Under the groups' lock: a D rank's first slot registration may be creating this
             // transfer's group right now (see `fanout`).
@@ -870,9 +898,9 @@ impl Endpoint {
         }
     }
 
-    /// `Err(reason)` once the writer thread died or stalled: its transfers were failed (D's once
-    /// their write horizons passed), its peers were disconnected, and new work is refused.
-    pub fn health(&self) -> Result<(), String> {
+    /// `Err` once the writer thread died or stalled: its transfers were failed (D's once their
+    /// write horizons passed), its peers were disconnected, and new work is refused.
+    pub fn health(&self) -> Result<(), Unhealthy> {
         self.shared.health()
     }
 

@@ -55,8 +55,9 @@ use crate::topology;
 use crate::transport::{Notification, Transport};
 
 use super::awaited::{Awaited, LegState, Stop};
+use super::command::ConnectFailure;
+use super::context::{Context, MAX_HORIZON};
 use super::events::{Event, Outcome, Reason, Role, Timeline};
-use super::writer::{ConnectFailure, Writer, MAX_HORIZON};
 use super::{Counters, Expectation, Share};
 
 /// A side channel connection to a P, by its address.
@@ -139,8 +140,13 @@ fn superseded_key(request_id: &str, epoch: Epoch) -> String {
     format!("{request_id}\0{epoch}")
 }
 
-impl<T: Transport> Writer<T> {
-    pub(super) fn expect(&mut self, expectation: Expectation, at: Instant) {
+impl Receives {
+    pub(super) fn expect<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        expectation: Expectation,
+        at: Instant,
+    ) {
         let mut key =
             TransferKey::for_request(expectation.transfer_id.as_deref(), &expectation.request_id);
         if let Some(share) = expectation.share.filter(|share| share.of > 1) {
@@ -150,7 +156,7 @@ impl<T: Transport> Writer<T> {
         let request_id = expectation.request_id.clone();
         let sources = expectation.sources.clone();
         let epoch = expectation.epoch;
-        let awaited = self.receives.awaited.get(&request_id);
+        let awaited = self.awaited.get(&request_id);
         if awaited.is_some_and(|a| a.expectation == expectation) {
             // The same call again (a retry): the awaited receive's event answers both.
             return;
@@ -161,44 +167,49 @@ impl<T: Transport> Writer<T> {
                 "request {request_id} is awaited at epoch {held}; a re-expect must carry a \
                  higher epoch than that, not {epoch} (the awaited receive goes on)"
             );
-            self.emit(Event {
+            cx.emit(Event {
                 role: Role::Receive,
                 request_id,
                 key,
                 outcome: Outcome::failed(Reason::Refused, detail),
                 bytes: 0,
                 runs: 0,
-                timeline: Timeline { registered: Some(self.seconds(at)), ..Timeline::default() },
+                timeline: Timeline { registered: Some(cx.seconds(at)), ..Timeline::default() },
             });
             return;
         }
-        let previous = self.receives.awaited.remove(&request_id);
-        self.receives.awaited.insert(request_id.clone(), Awaited::new(expectation, key, at));
-        self.receives.awaits_kv = true;
+        let previous = self.awaited.remove(&request_id);
+        self.awaited.insert(request_id.clone(), Awaited::new(expectation, key, at));
+        self.awaits_kv = true;
         for (leg, source) in sources.into_iter().enumerate() {
-            match self.receives.sources.get(&source) {
+            match self.sources.get(&source) {
                 Some(Source::Connected(peer)) => {
                     let peer = *peer;
-                    self.register_with(peer, &request_id, leg);
+                    self.register_with(cx, peer, &request_id, leg);
                 }
                 Some(Source::Connecting) => {}
                 None => {
-                    self.receives.sources.insert(source.clone(), Source::Connecting);
-                    self.request_connect(source);
+                    self.sources.insert(source.clone(), Source::Connecting);
+                    self.request_connect(cx, source);
                 }
             }
         }
         // After the new REGISTERs: on a P both name, the new one supersedes the old one first,
         // and the CANCEL of the old epoch then only waits for a WRITE of it in flight.
         if let Some(previous) = previous {
-            self.supersede(previous, epoch);
+            self.supersede(cx, previous, epoch);
         }
-        self.settle(&request_id);
+        self.settle(cx, &request_id);
     }
 
     /// A re-expect at `epoch` replaced `previous`: it is cancelled, and reported under its own
     /// key once none of its legs can still be written (see the module docs).
-    fn supersede(&mut self, mut previous: Awaited, epoch: Epoch) {
+    fn supersede<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        mut previous: Awaited,
+        epoch: Epoch,
+    ) {
         let request_id = previous.expectation.request_id.clone();
         let old = previous.expectation.epoch;
         let detail = format!(
@@ -207,44 +218,48 @@ impl<T: Transport> Writer<T> {
         );
         let stops = previous.cancel(Outcome::cancelled(Reason::Cancelled, detail));
         let key = superseded_key(&request_id, old);
-        self.receives.awaited.insert(key.clone(), previous);
-        *self.receives.superseded.entry(request_id).or_default() += 1;
-        self.stop_legs(&key, &stops);
-        self.settle(&key);
+        self.awaited.insert(key.clone(), previous);
+        *self.superseded.entry(request_id).or_default() += 1;
+        self.stop_legs(cx, &key, &stops);
+        self.settle(cx, &key);
     }
 
     /// The key of `request_id`'s receive at `epoch`: the request's current receive, or one a
     /// re-expect superseded.
     fn receive_at(&self, request_id: &str, epoch: Epoch) -> Option<String> {
-        match self.receives.awaited.get(request_id) {
+        match self.awaited.get(request_id) {
             Some(current) if current.expectation.epoch == epoch => Some(request_id.to_owned()),
             _ => {
                 let key = superseded_key(request_id, epoch);
-                self.receives.awaited.contains_key(&key).then_some(key)
+                self.awaited.contains_key(&key).then_some(key)
             }
         }
     }
 
     /// Starts connecting to P at `source`; the result comes as `Command::Connected`.
-    fn request_connect(&mut self, source: String) {
-        if let Err(failure) = self.side_channel.request_connect(&source) {
-            self.connected(source, Err(failure));
+    fn request_connect<T: Transport>(&mut self, cx: &mut Context<T>, source: String) {
+        if let Err(failure) = cx.side_channel.request_connect(&source) {
+            self.connected(cx, source, Err(failure));
         }
     }
 
-    pub(super) fn connected(&mut self, source: String, result: Result<PeerInfo, ConnectFailure>) {
-        self.side_channel.connect_finished(&source);
+    pub(super) fn connected<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        source: String,
+        result: Result<PeerInfo, ConnectFailure>,
+    ) {
+        cx.side_channel.connect_finished(&source);
         let result = match result {
             // The connection was lost before its result came here (its `PeerLost` was handled
             // first): it is not a source to register with, now or later.
-            Ok(info) if !self.peers.contains_key(&info.id) => Err(ConnectFailure {
+            Ok(info) if !cx.peers.contains_key(&info.id) => Err(ConnectFailure {
                 reason: "the connection closed right after its handshake".to_owned(),
                 refused: false,
             }),
             result => result,
         };
         let waiting: Vec<(String, usize)> = self
-            .receives
             .awaited
             .iter()
             .flat_map(|(id, a)| {
@@ -259,18 +274,19 @@ impl<T: Transport> Writer<T> {
             .collect();
         match result {
             Ok(info) => {
-                self.receives.sources.insert(source.clone(), Source::Connected(info.id));
+                self.sources.insert(source.clone(), Source::Connected(info.id));
                 for (request_id, leg) in waiting {
-                    self.register_with(info.id, &request_id, leg);
+                    self.register_with(cx, info.id, &request_id, leg);
                 }
-                self.ask_again(&source, info.id);
+                self.ask_again(cx, &source, info.id);
             }
             Err(failure) => {
-                self.receives.sources.remove(&source);
+                self.sources.remove(&source);
                 for (request_id, leg) in waiting {
-                    let Some(awaited) = self.receives.awaited.get(&request_id) else { continue };
+                    let Some(awaited) = self.awaited.get(&request_id) else { continue };
                     let detail = format!("cannot reach {}: {}", awaited.label(leg), failure.reason);
                     self.end_leg(
+                        cx,
                         &request_id,
                         leg,
                         Some(Outcome::failed(Reason::Unreachable, detail)),
@@ -281,7 +297,7 @@ impl<T: Transport> Writer<T> {
                     // transport first) or its process exited. A host that refuses for a
                     // firewall while P lives would look the same, so the legs still wait out
                     // P's whole horizon, which a running P keeps.
-                    let now = self.shared.now();
+                    let now = cx.shared.now();
                     let evidence = format!(
                         "nothing listens at {source} any more: its endpoint is gone, and D waited \
                          out its write horizon"
@@ -296,11 +312,11 @@ impl<T: Transport> Writer<T> {
     /// the same endpoint answers a CANCEL once nothing of the transfer can land; another
     /// endpoint at that address means the one D lost is gone, so only the bytes its host had
     /// already accepted may still land (for its delivery bound).
-    fn ask_again(&mut self, source: &str, peer: PeerId) {
-        let Some(agent) = self.peers.get(&peer).map(|p| p.name.clone()) else { return };
-        let now = self.shared.now();
+    fn ask_again<T: Transport>(&mut self, cx: &mut Context<T>, source: &str, peer: PeerId) {
+        let Some(agent) = cx.peers.get(&peer).map(|p| p.name.clone()) else { return };
+        let now = cx.shared.now();
         let mut asks = Vec::new();
-        for awaited in self.receives.awaited.values_mut() {
+        for awaited in self.awaited.values_mut() {
             for leg in awaited.unsettled(source) {
                 if awaited.legs[leg].agent.as_deref() == Some(agent.as_str()) {
                     awaited.ask(leg, peer);
@@ -320,9 +336,9 @@ impl<T: Transport> Writer<T> {
             }
         }
         for cancel in asks {
-            self.send(peer, Message::Cancel(cancel));
+            cx.send(peer, Message::Cancel(cancel));
         }
-        self.receives.retries.remove(source);
+        self.retries.remove(source);
     }
 
     /// Every lost leg of P at `source` that waits for evidence learns that P's endpoint is gone;
@@ -333,21 +349,20 @@ impl<T: Transport> Writer<T> {
         settled: impl Fn(&super::awaited::Leg) -> Option<Instant>,
         evidence: &str,
     ) {
-        for awaited in self.receives.awaited.values_mut() {
+        for awaited in self.awaited.values_mut() {
             for leg in awaited.unsettled(source) {
                 if let Some(at) = settled(&awaited.legs[leg]) {
                     awaited.gone(leg, at, evidence);
                 }
             }
         }
-        self.receives.retries.remove(source);
+        self.retries.remove(source);
     }
 
     /// Reconnects to every lost P that some leg still waits for evidence from, with a growing
     /// pause between attempts, or asks it on a connection already up again.
-    fn settle_lost(&mut self, now: Instant) {
+    fn settle_lost<T: Transport>(&mut self, cx: &mut Context<T>, now: Instant) {
         let mut sources: Vec<String> = self
-            .receives
             .awaited
             .values()
             .filter(|a| a.needs_settling())
@@ -356,18 +371,17 @@ impl<T: Transport> Writer<T> {
         sources.sort();
         sources.dedup();
         for source in sources {
-            if !self.receives.awaited.values().any(|a| !a.unsettled(&source).is_empty()) {
+            if !self.awaited.values().any(|a| !a.unsettled(&source).is_empty()) {
                 continue;
             }
-            match self.receives.sources.get(&source) {
+            match self.sources.get(&source) {
                 Some(Source::Connecting) => {}
                 Some(Source::Connected(peer)) => {
                     let peer = *peer;
-                    self.ask_again(&source, peer);
+                    self.ask_again(cx, &source, peer);
                 }
                 None => {
                     let retry = self
-                        .receives
                         .retries
                         .entry(source.clone())
                         .or_insert(Retry { next: now, backoff: RETRY_FIRST });
@@ -376,26 +390,31 @@ impl<T: Transport> Writer<T> {
                     }
                     retry.next = now + retry.backoff;
                     retry.backoff = (retry.backoff * 2).min(RETRY_MAX);
-                    self.receives.sources.insert(source.clone(), Source::Connecting);
-                    self.request_connect(source);
+                    self.sources.insert(source.clone(), Source::Connecting);
+                    self.request_connect(cx, source);
                 }
             }
         }
     }
 
-    fn register_with(&mut self, peer: PeerId, request_id: &str, leg: usize) {
-        let agent = self.peers.get(&peer).map(|p| p.name.clone());
-        let horizon = self.horizon(peer);
-        let delivery_bound = self.peers.get(&peer).map_or(horizon, |p| p.delivery_bound);
-        let mismatch =
-            self.receives.awaited.get(request_id).and_then(|a| self.source_mismatch(peer, a, leg));
-        let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
+    fn register_with<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        peer: PeerId,
+        request_id: &str,
+        leg: usize,
+    ) {
+        let agent = cx.peers.get(&peer).map(|p| p.name.clone());
+        let horizon = horizon(cx, peer);
+        let delivery_bound = cx.peers.get(&peer).map_or(horizon, |p| p.delivery_bound);
+        let mismatch = self.awaited.get(request_id).and_then(|a| source_mismatch(cx, peer, a, leg));
+        let Some(awaited) = self.awaited.get_mut(request_id) else { return };
         if !matches!(awaited.legs[leg].state, LegState::Connecting) {
             // Cancelled (or failed) while connecting: nothing to register.
             return;
         }
         if let Some(detail) = mismatch {
-            self.end_leg(request_id, leg, Some(Outcome::failed(Reason::Incompatible, detail)));
+            self.end_leg(cx, request_id, leg, Some(Outcome::failed(Reason::Incompatible, detail)));
             return;
         }
         // Ties the DONE of this registration, and no other, to this leg.
@@ -407,104 +426,64 @@ impl<T: Transport> Writer<T> {
         awaited.legs[leg].nonce = nonce;
         awaited.legs[leg].state = LegState::Registered;
         let e = &awaited.expectation;
-        let ttl_ms = u64::try_from(
-            awaited.deadline.saturating_duration_since(self.shared.now()).as_millis(),
-        )
-        .unwrap_or(u64::MAX);
+        let ttl_ms =
+            u64::try_from(awaited.deadline.saturating_duration_since(cx.shared.now()).as_millis())
+                .unwrap_or(u64::MAX);
         let register = Register {
             transfer_key: awaited.key.as_str().to_owned(),
             request_id: e.request_id.clone(),
             epoch: e.epoch,
-            engine_id: self.engine_id.clone(),
-            address: self.side_channel.local_addr().to_string(),
-            tp_rank: self.layout.tp_rank,
-            tp_size: self.layout.tp_size,
+            engine_id: cx.engine_id.clone(),
+            address: cx.side_channel.local_addr().to_string(),
+            tp_rank: cx.layout.tp_rank,
+            tp_size: cx.layout.tp_size,
             groups: e.groups.clone(),
             num_tokens: e.num_tokens,
             ttl_ms,
             fanout: e.share.map_or(1, |share| share.of),
             nonce,
         };
-        if let Err(error) = self.side_channel.send(peer, &Message::Register(register)) {
+        if let Err(error) = cx.side_channel.send(peer, &Message::Register(register)) {
             // The frame did not go out whole, so P refuses it: nothing can be written.
             let detail = format!("cannot register with {}: {error}", awaited.label(leg));
-            self.end_leg(request_id, leg, Some(Outcome::failed(Reason::Unreachable, detail)));
+            self.end_leg(cx, request_id, leg, Some(Outcome::failed(Reason::Unreachable, detail)));
         }
-    }
-
-    /// Why the P rank behind `peer` cannot be leg `leg` of `awaited`: it holds none of this
-    /// rank's heads, or this rank's heads come from a different number of P ranks than the
-    /// expectation names (a router that left out P's tensor parallel size would otherwise get
-    /// half the heads reported done).
-    fn source_mismatch(&self, peer: PeerId, awaited: &Awaited, leg: usize) -> Option<String> {
-        let p = self.peers.get(&peer)?;
-        let mine = self.layout.global_heads();
-        let label = awaited.label(leg);
-        if p.heads.end <= mine.start || mine.end <= p.heads.start {
-            return Some(format!(
-                "{label} holds KV heads {:?} of tp={}, none of this D rank's {mine:?}",
-                p.heads, p.tp_size
-            ));
-        }
-        let (theirs, ours) = (p.heads.end - p.heads.start, mine.end - mine.start);
-        if theirs > ours {
-            // One P rank holds the heads of several D ranks: this one must be its share.
-            let share = awaited.expectation.share.unwrap_or(Share { slot: 0, of: 1 });
-            let expected = topology::share_of(&mine, &p.heads);
-            return (share != expected).then(|| {
-                format!(
-                    "{label} holds KV heads {:?}, the heads of {} D ranks; this rank (heads \
-                     {mine:?}) is share {} of {}, but the request says {} of {}",
-                    p.heads, expected.of, expected.slot, expected.of, share.slot, share.of
-                )
-            });
-        }
-        let holding = topology::p_ranks_holding(&mine, theirs);
-        let needed = holding.end - holding.start;
-        let named = awaited.legs.len() as u64;
-        (needed != named).then(|| {
-            format!(
-                "this D rank's KV heads {mine:?} come from {needed} rank(s) of P (tp={}), but the \
-                 request names {named}: the router must pass P's tp_size in kv_transfer_params",
-                p.tp_size
-            )
-        })
-    }
-
-    /// The horizon of the P behind `peer` (the longest one when it is unknown).
-    fn horizon(&self, peer: PeerId) -> Duration {
-        self.peers.get(&peer).map_or(MAX_HORIZON, |p| p.horizon)
-    }
-
-    /// The horizon of the P whose agent is `agent`: how long after posting its WRITE's DONE
-    /// may still arrive. Zero for an agent no connection names (its DONEs are strays anyway).
-    fn horizon_of_agent(&self, agent: &str) -> Duration {
-        self.peers.values().filter(|p| p.name == agent).map(|p| p.horizon).max().unwrap_or_default()
     }
 
     /// Leg `leg` of `request_id` is over (with `failure`, the receive fails and its other legs
     /// are cancelled); the receive is reported once its last leg is over.
-    fn end_leg(&mut self, request_id: &str, leg: usize, failure: Option<Outcome>) {
-        let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
+    fn end_leg<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        request_id: &str,
+        leg: usize,
+        failure: Option<Outcome>,
+    ) {
+        let Some(awaited) = self.awaited.get_mut(request_id) else { return };
         let stops = awaited.end_leg(leg, failure);
-        self.stop_legs(request_id, &stops);
-        self.settle(request_id);
+        self.stop_legs(cx, request_id, &stops);
+        self.settle(cx, request_id);
     }
 
     /// The receive ends with `outcome` once no leg can still write: registered legs are
     /// cancelled, fenced ones wait out their horizons.
-    fn cancel_receive(&mut self, request_id: &str, outcome: Outcome) {
-        let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
+    fn cancel_receive<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        request_id: &str,
+        outcome: Outcome,
+    ) {
+        let Some(awaited) = self.awaited.get_mut(request_id) else { return };
         let stops = awaited.cancel(outcome);
-        self.stop_legs(request_id, &stops);
-        self.settle(request_id);
+        self.stop_legs(cx, request_id, &stops);
+        self.settle(cx, request_id);
     }
 
     /// Sends the CANCELs `stops` calls for; each P must acknowledge within its horizon.
-    fn stop_legs(&mut self, request_id: &str, stops: &[Stop]) {
+    fn stop_legs<T: Transport>(&mut self, cx: &mut Context<T>, request_id: &str, stops: &[Stop]) {
         for &Stop::Cancel(peer) in stops {
-            let deadline = self.shared.now() + self.horizon(peer);
-            let Some(awaited) = self.receives.awaited.get_mut(request_id) else { return };
+            let deadline = cx.shared.now() + horizon(cx, peer);
+            let Some(awaited) = self.awaited.get_mut(request_id) else { return };
             if let Some(leg) = awaited.leg_on(peer) {
                 awaited.legs[leg].state = LegState::Cancelling { deadline: Some(deadline) };
             }
@@ -513,35 +492,39 @@ impl<T: Transport> Writer<T> {
                 request_id: awaited.expectation.request_id.clone(),
                 epoch: awaited.expectation.epoch,
             };
-            self.send(peer, Message::Cancel(cancel));
+            cx.send(peer, Message::Cancel(cancel));
         }
     }
 
-    pub(super) fn cancel_expectation(&mut self, request_id: &str) {
+    pub(super) fn cancel_expectation<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        request_id: &str,
+    ) {
         let outcome =
             Outcome::cancelled(Reason::Cancelled, format!("request {request_id} cancelled by D"));
-        self.cancel_receive(request_id, outcome);
+        self.cancel_receive(cx, request_id, outcome);
     }
 
     /// Reports the receive under `key` if its last leg is over (and, for a request's current
     /// receive, once the receives a re-expect superseded were reported).
-    fn settle(&mut self, key: &str) {
-        if self.receives.superseded.contains_key(key) {
+    fn settle<T: Transport>(&mut self, cx: &mut Context<T>, key: &str) {
+        if self.superseded.contains_key(key) {
             return;
         }
-        let Some(awaited) = self.receives.awaited.get_mut(key) else { return };
+        let Some(awaited) = self.awaited.get_mut(key) else { return };
         if !awaited.is_over() {
             return;
         }
         let outcome = awaited.outcome();
-        self.end_receive(key, outcome);
+        self.end_receive(cx, key, outcome);
     }
 
-    fn end_receive(&mut self, key: &str, outcome: Outcome) {
-        let Some(awaited) = self.receives.awaited.remove(key) else { return };
+    fn end_receive<T: Transport>(&mut self, cx: &mut Context<T>, key: &str, outcome: Outcome) {
+        let Some(awaited) = self.awaited.remove(key) else { return };
         let request_id = awaited.expectation.request_id.clone();
-        let completed = self.shared.now();
-        self.emit(Event {
+        let completed = cx.shared.now();
+        cx.emit(Event {
             role: Role::Receive,
             request_id: request_id.clone(),
             key: awaited.key,
@@ -549,84 +532,89 @@ impl<T: Transport> Writer<T> {
             bytes: awaited.bytes,
             runs: awaited.runs,
             timeline: Timeline {
-                registered: Some(self.seconds(awaited.registered)),
-                completed: Some(self.seconds(completed)),
+                registered: Some(cx.seconds(awaited.registered)),
+                completed: Some(cx.seconds(completed)),
                 ..Timeline::default()
             },
         });
         if key != request_id {
             // A superseded receive: the request's current one may have been waiting for it.
-            let left = self.receives.superseded.get_mut(&request_id).map(|left| {
+            let left = self.superseded.get_mut(&request_id).map(|left| {
                 *left -= 1;
                 *left
             });
             if left == Some(0) {
-                self.receives.superseded.remove(&request_id);
-                self.settle(&request_id);
+                self.superseded.remove(&request_id);
+                self.settle(cx, &request_id);
             }
         }
     }
 
     /// Takes the transport's notifications (a transport without its own progress thread is
     /// progressed by this call) and counts the DONEs among them.
-    pub(super) fn take_notifications(&mut self) {
-        if self.transport.take_notifications(&mut self.receives.received).is_err() {
-            Counters::add(&self.shared.counters.transport_errors);
+    pub(super) fn take_notifications<T: Transport>(&mut self, cx: &mut Context<T>) {
+        if cx.transport.take_notifications(&mut self.received).is_err() {
+            Counters::add(&cx.shared.counters.transport_errors);
             return;
         }
-        let received = std::mem::take(&mut self.receives.received);
+        let received = std::mem::take(&mut self.received);
         for notification in &received {
             // DONEs arrive in completion order, not posting order, and as late as their WRITE
             // took: up to the sending P's write horizon (see `decode_unordered`).
-            let in_flight = self.horizon_of_agent(&notification.from);
-            match self.receives.decoder.decode_unordered(
+            let in_flight = horizon_of_agent(cx, &notification.from);
+            match self.decoder.decode_unordered(
                 &notification.payload,
-                self.shared.unix_millis(),
+                cx.shared.unix_millis(),
                 in_flight,
             ) {
                 Ok(envelope) => {
                     if let Message::Done(done) = envelope.message {
-                        self.done(&notification.from, &envelope.sender, done);
+                        self.done(cx, &notification.from, &envelope.sender, done);
                     }
                 }
-                Err(_) => Counters::add(&self.shared.counters.refused_frames),
+                Err(_) => Counters::add(&cx.shared.counters.refused_frames),
             }
         }
-        self.receives.received = received;
-        self.receives.received.clear();
+        self.received = received;
+        self.received.clear();
     }
 
     /// A DONE that the transport says agent `from` sent, signed as `sender`.
-    fn done(&mut self, from: &str, sender: &str, done: Done) {
+    fn done<T: Transport>(&mut self, cx: &mut Context<T>, from: &str, sender: &str, done: Done) {
         // Only the P agent a leg registered with may end it, for that registration: the
         // transport's sender, the signed sender and the leg's agent agree, and the DONE echoes
         // the registration's nonce. Anything else (another agent, a name that does not match its
         // signature, an ended receive, an epoch or registration D has since replaced) is stray.
         let key = (from == sender).then(|| self.receive_at(&done.request_id, done.epoch));
         let leg = key.flatten().and_then(|key| {
-            let awaited = self.receives.awaited.get(&key)?;
+            let awaited = self.awaited.get(&key)?;
             let leg = awaited.leg_of_agent(from)?;
             let echoed = awaited.legs[leg].nonce == done.nonce;
             (echoed && awaited.key.as_str() == done.transfer_key).then_some((key, leg))
         });
         let Some((key, leg)) = leg else {
-            Counters::add(&self.shared.counters.stray_notifications);
+            Counters::add(&cx.shared.counters.stray_notifications);
             return;
         };
-        if let Some(awaited) = self.receives.awaited.get_mut(&key) {
+        if let Some(awaited) = self.awaited.get_mut(&key) {
             awaited.bytes += done.bytes;
             awaited.runs = awaited.runs.saturating_add(done.runs);
         }
         // Whatever D wanted since (a cancel, another rank's failure), this leg's KV is here.
-        self.end_leg(&key, leg, None);
+        self.end_leg(cx, &key, leg, None);
     }
 
     /// A control message from P for D's receives: a FAIL or a CANCEL_ACK ends its leg.
-    pub(super) fn peer_message(&mut self, peer: PeerId, message: Message) {
+    pub(super) fn peer_message<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        peer: PeerId,
+        message: Message,
+    ) {
         match message {
             Message::Fail(fail) => {
                 let Some(key) = self.receive_at(&fail.request_id, fail.epoch) else { return };
-                let Some(awaited) = self.receives.awaited.get(&key) else { return };
+                let Some(awaited) = self.awaited.get(&key) else { return };
                 let Some(leg) = awaited
                     .leg_on(peer)
                     .filter(|&leg| !matches!(awaited.legs[leg].state, LegState::Over))
@@ -645,22 +633,22 @@ impl<T: Transport> Writer<T> {
                 if failed_write && !bound.is_zero() {
                     // A WRITE that failed may have left bytes in P's host (TCP's retransmission
                     // queue): they may land for P's delivery bound yet.
-                    let until = self.shared.now() + bound;
-                    let Some(awaited) = self.receives.awaited.get_mut(&key) else { return };
+                    let until = cx.shared.now() + bound;
+                    let Some(awaited) = self.awaited.get_mut(&key) else { return };
                     let stops = awaited.end_leg_at(leg, until, outcome, true);
-                    self.stop_legs(&key, &stops);
-                    self.settle(&key);
+                    self.stop_legs(cx, &key, &stops);
+                    self.settle(cx, &key);
                 } else {
-                    self.end_leg(&key, leg, Some(outcome));
+                    self.end_leg(cx, &key, leg, Some(outcome));
                 }
             }
             Message::CancelAck(ack) => {
                 let Some(key) = self.receive_at(&ack.request_id, ack.epoch) else { return };
-                let Some(awaited) = self.receives.awaited.get_mut(&key) else { return };
+                let Some(awaited) = self.awaited.get_mut(&key) else { return };
                 let cancelled = awaited
                     .leg_on(peer)
                     .filter(|&leg| matches!(awaited.legs[leg].state, LegState::Cancelling { .. }));
-                let now = self.shared.now();
+                let now = cx.shared.now();
                 if let Some(leg) = cancelled {
                     let bound = awaited.legs[leg].delivery_bound;
                     if ack.wrote && !ack.delivered && !bound.is_zero() {
@@ -672,12 +660,12 @@ impl<T: Transport> Writer<T> {
                         );
                         awaited.end_leg_at(leg, now + bound, outcome, false);
                     } else {
-                        self.end_leg(&key, leg, None);
+                        self.end_leg(cx, &key, leg, None);
                     }
                 } else if let Some(leg) = awaited.leg_asked_on(peer).filter(|_| ack.delivered) {
                     // A lost P's word, asked on a new connection: its WRITE completed, every
                     // byte is here (the DONE that says so may still come, or not at all).
-                    self.end_leg(&key, leg, None);
+                    self.end_leg(cx, &key, leg, None);
                 } else if let Some(leg) = awaited
                     .leg_asked_on(peer)
                     .filter(|&leg| !awaited.legs[leg].delivery_bound.is_zero())
@@ -700,8 +688,8 @@ impl<T: Transport> Writer<T> {
                         awaited.label(leg)
                     );
                     let stops = awaited.settle_leg(leg, &evidence);
-                    self.stop_legs(&key, &stops);
-                    self.settle(&key);
+                    self.stop_legs(cx, &key, &stops);
+                    self.settle(cx, &key);
                 }
             }
             // Error replies, stray DONEs on the side channel: nothing is waiting on them.
@@ -713,10 +701,8 @@ impl<T: Transport> Writer<T> {
     /// stopped, nor is P's horizon passing (a stopped process keeps no horizon): its legs end
     /// only on evidence (see `awaited`), which the deadline checks go and get.
     pub(super) fn fence_receives(&mut self, peer: PeerId, reason: &str, at: Instant) {
-        self.receives
-            .sources
-            .retain(|_, source| !matches!(source, Source::Connected(p) if *p == peer));
-        for awaited in self.receives.awaited.values_mut() {
+        self.sources.retain(|_, source| !matches!(source, Source::Connected(p) if *p == peer));
+        for awaited in self.awaited.values_mut() {
             let Some(leg) = awaited.leg_on(peer).or_else(|| awaited.leg_asked_on(peer)) else {
                 continue;
             };
@@ -731,14 +717,14 @@ impl<T: Transport> Writer<T> {
 
     /// D's deadlines: receives whose TTL passed are cancelled, fenced legs whose horizon passed
     /// end, and a P that left a CANCEL unacknowledged past its horizon is disconnected.
-    pub(super) fn check_receives(&mut self, now: Instant) {
-        self.receives.awaits_kv = self.receives.awaited.values().any(Awaited::expects_writes);
-        if self.receives.awaited.is_empty() {
+    pub(super) fn check_receives<T: Transport>(&mut self, cx: &mut Context<T>, now: Instant) {
+        self.awaits_kv = self.awaited.values().any(Awaited::expects_writes);
+        if self.awaited.is_empty() {
             return;
         }
         let mut unacknowledged = Vec::new();
         let mut due = Vec::new();
-        for (request_id, awaited) in &mut self.receives.awaited {
+        for (request_id, awaited) in &mut self.awaited {
             let stops = awaited.fences_passed(now);
             unacknowledged.extend(awaited.unacknowledged(now));
             let late = !awaited.is_ending() && awaited.deadline <= now;
@@ -747,40 +733,40 @@ impl<T: Transport> Writer<T> {
             }
         }
         let mut notices = Vec::new();
-        for (request_id, awaited) in &mut self.receives.awaited {
+        for (request_id, awaited) in &mut self.awaited {
             if awaited.quarantine_due(now) {
                 notices.push(request_id.clone());
             }
         }
         for request_id in notices {
-            self.quarantine_notice(&request_id);
+            self.quarantine_notice(cx, &request_id);
         }
         for (request_id, stops, late) in due {
-            self.stop_legs(&request_id, &stops);
+            self.stop_legs(cx, &request_id, &stops);
             if late {
-                let Some(awaited) = self.receives.awaited.get(&request_id) else { continue };
+                let Some(awaited) = self.awaited.get(&request_id) else { continue };
                 let detail =
                     format!("no KV for request {request_id} within {:?}", awaited.expectation.ttl);
                 // Free nothing until every P confirmed no write can land (or its horizon passed).
-                self.cancel_receive(&request_id, Outcome::failed(Reason::Expired, detail));
+                self.cancel_receive(cx, &request_id, Outcome::failed(Reason::Expired, detail));
             }
-            self.settle(&request_id);
+            self.settle(cx, &request_id);
         }
         // P did not answer a CANCEL within its horizon: stop proving we are alive to it, so that
         // its lease runs out; the leg is then fenced (see `fence_receives`).
         for peer in unacknowledged {
-            self.side_channel.disconnect(peer);
+            cx.side_channel.disconnect(peer);
         }
-        self.settle_lost(now);
+        self.settle_lost(cx, now);
     }
 
     /// Reports, once, that `request_id`'s receive holds its blocks without evidence that a lost
     /// P's bytes can no longer land: its horizon passed, and it neither answered nor was found
     /// gone. The receive's own event still comes once it settles (or never, if it never does).
-    fn quarantine_notice(&mut self, key: &str) {
-        let Some(awaited) = self.receives.awaited.get(key) else { return };
+    fn quarantine_notice<T: Transport>(&mut self, cx: &mut Context<T>, key: &str) {
+        let Some(awaited) = self.awaited.get(key) else { return };
         let request_id = &awaited.expectation.request_id;
-        Counters::add(&self.shared.counters.quarantined_receives);
+        Counters::add(&cx.shared.counters.quarantined_receives);
         let detail = format!(
             "request {request_id}: lost {} and its write horizon passed without P confirming \
              that nothing more of it can land (a paused or partitioned P looks the same as a dead \
@@ -795,21 +781,26 @@ impl<T: Transport> Writer<T> {
             bytes: awaited.bytes,
             runs: awaited.runs,
             timeline: Timeline {
-                registered: Some(self.seconds(awaited.registered)),
+                registered: Some(cx.seconds(awaited.registered)),
                 ..Timeline::default()
             },
         };
-        self.emit(event);
+        cx.emit(event);
     }
 
     /// The writer died at `at` (see `Writer::die`), its peers disconnected: every receive fails,
     /// once each of its registered P ranks' horizons passed (unregistered legs are over now).
-    pub(super) fn fail_receives(&mut self, reason: &str, at: Instant) {
-        let ids: Vec<String> = self.receives.awaited.keys().cloned().collect();
+    pub(super) fn fail_receives<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        reason: &str,
+        at: Instant,
+    ) {
+        let ids: Vec<String> = self.awaited.keys().cloned().collect();
         for request_id in ids {
-            let Some(awaited) = self.receives.awaited.get(&request_id) else { continue };
+            let Some(awaited) = self.awaited.get(&request_id) else { continue };
             let peers: Vec<PeerId> = awaited.legs.iter().filter_map(|leg| leg.peer).collect();
-            let Some(awaited) = self.receives.awaited.get_mut(&request_id) else { continue };
+            let Some(awaited) = self.awaited.get_mut(&request_id) else { continue };
             let outcome = Outcome::failed(Reason::WriterDied, reason.to_owned());
             // Unregistered legs are over; registered ones may be written: with nobody left to
             // ask P, they are held, and reported quarantined once P's horizon passed.
@@ -817,57 +808,113 @@ impl<T: Transport> Writer<T> {
             for peer in peers {
                 awaited.fence(peer, at, &outcome);
             }
-            self.settle(&request_id);
+            self.settle(cx, &request_id);
         }
-    }
-
-    /// A dead writer's answer to a new expectation: it fails at once (nothing was registered).
-    /// An expectation never registered (the writer died, or closed with it still queued) fails
-    /// at once with `code`. A receive already awaited under that request id is left to end in
-    /// its own event: its legs may be written.
-    pub(super) fn refuse_expectation(
-        &mut self,
-        expectation: Expectation,
-        code: Reason,
-        reason: &str,
-    ) {
-        let detail = format!("request {}: {reason}", expectation.request_id);
-        self.emit(Event {
-            role: Role::Receive,
-            key: TransferKey::for_request(
-                expectation.transfer_id.as_deref(),
-                &expectation.request_id,
-            ),
-            request_id: expectation.request_id,
-            outcome: Outcome::failed(code, detail),
-            bytes: 0,
-            runs: 0,
-            timeline: Timeline::default(),
-        });
     }
 
     /// A dead writer's receives whose P's horizon passed by `now` are reported quarantined and
     /// forgotten (their blocks stay held: nobody can ask P any more). No CANCEL goes out: the
     /// peers were disconnected.
-    pub(super) fn pass_fences(&mut self, now: Instant) {
-        let ids: Vec<String> = self.receives.awaited.keys().cloned().collect();
+    pub(super) fn pass_fences<T: Transport>(&mut self, cx: &mut Context<T>, now: Instant) {
+        let ids: Vec<String> = self.awaited.keys().cloned().collect();
         for request_id in ids {
-            let Some(awaited) = self.receives.awaited.get_mut(&request_id) else { continue };
+            let Some(awaited) = self.awaited.get_mut(&request_id) else { continue };
             if awaited.quarantine_due(now) {
-                self.quarantine_notice(&request_id);
-                self.receives.awaited.remove(&request_id);
+                self.quarantine_notice(cx, &request_id);
+                self.awaited.remove(&request_id);
                 continue;
             }
-            self.settle(&request_id);
+            self.settle(cx, &request_id);
         }
     }
 
     /// The endpoint closes: every receive still awaited fails (the link, closed after the
     /// writer, ends its connection attempts).
-    pub(super) fn close_receives(&mut self) {
-        let awaited: Vec<String> = self.receives.awaited.keys().cloned().collect();
+    pub(super) fn close_receives<T: Transport>(&mut self, cx: &mut Context<T>) {
+        let awaited: Vec<String> = self.awaited.keys().cloned().collect();
         for request_id in awaited {
-            self.end_receive(&request_id, Outcome::failed(Reason::Closed, "the endpoint closed"));
+            self.end_receive(
+                cx,
+                &request_id,
+                Outcome::failed(Reason::Closed, "the endpoint closed"),
+            );
         }
     }
+}
+
+/// Why the P rank behind `peer` cannot be leg `leg` of `awaited`: it holds none of this
+/// rank's heads, or this rank's heads come from a different number of P ranks than the
+/// expectation names (a router that left out P's tensor parallel size would otherwise get
+/// half the heads reported done).
+fn source_mismatch<T: Transport>(
+    cx: &Context<T>,
+    peer: PeerId,
+    awaited: &Awaited,
+    leg: usize,
+) -> Option<String> {
+    let p = cx.peers.get(&peer)?;
+    let mine = cx.layout.global_heads();
+    let label = awaited.label(leg);
+    if p.heads.end <= mine.start || mine.end <= p.heads.start {
+        return Some(format!(
+            "{label} holds KV heads {:?} of tp={}, none of this D rank's {mine:?}",
+            p.heads, p.tp_size
+        ));
+    }
+    let (theirs, ours) = (p.heads.end - p.heads.start, mine.end - mine.start);
+    if theirs > ours {
+        // One P rank holds the heads of several D ranks: this one must be its share.
+        let share = awaited.expectation.share.unwrap_or(Share { slot: 0, of: 1 });
+        let expected = topology::share_of(&mine, &p.heads);
+        return (share != expected).then(|| {
+            format!(
+                "{label} holds KV heads {:?}, the heads of {} D ranks; this rank (heads \
+                 {mine:?}) is share {} of {}, but the request says {} of {}",
+                p.heads, expected.of, expected.slot, expected.of, share.slot, share.of
+            )
+        });
+    }
+    let holding = topology::p_ranks_holding(&mine, theirs);
+    let needed = holding.end - holding.start;
+    let named = awaited.legs.len() as u64;
+    (needed != named).then(|| {
+        format!(
+            "this D rank's KV heads {mine:?} come from {needed} rank(s) of P (tp={}), but the \
+             request names {named}: the router must pass P's tp_size in kv_transfer_params",
+            p.tp_size
+        )
+    })
+}
+
+/// The horizon of the P behind `peer` (the longest one when it is unknown).
+fn horizon<T: Transport>(cx: &Context<T>, peer: PeerId) -> Duration {
+    cx.peers.get(&peer).map_or(MAX_HORIZON, |p| p.horizon)
+}
+
+/// The horizon of the P whose agent is `agent`: how long after posting its WRITE's DONE
+/// may still arrive. Zero for an agent no connection names (its DONEs are strays anyway).
+fn horizon_of_agent<T: Transport>(cx: &Context<T>, agent: &str) -> Duration {
+    cx.peers.values().filter(|p| p.name == agent).map(|p| p.horizon).max().unwrap_or_default()
+}
+
+/// A dead writer's answer to a new expectation: it fails at once (nothing was registered).
+/// An expectation never registered (the writer died, or closed with it still queued) fails
+/// at once with `code`. A receive already awaited under that request id is left to end in
+/// its own event: its legs may be written.
+pub(super) fn refuse_expectation<T: Transport>(
+    cx: &mut Context<T>,
+    expectation: Expectation,
+    code: Reason,
+    reason: &str,
+) {
+    let detail = format!("request {}: {reason}", expectation.request_id);
+    cx.emit(Event {
+        role: Role::Receive,
+        key: TransferKey::for_request(expectation.transfer_id.as_deref(), &expectation.request_id),
+        request_id: expectation.request_id,
+        outcome: Outcome::failed(code, detail),
+        bytes: 0,
+        runs: 0,
+        timeline: Timeline::default(),
+    });
 }

@@ -1,7 +1,7 @@
 //! P's send path: from a match of ready KV with D's registration to the request's `Send` event.
 //!
-//! The table's halves are defined here ([`Registration`], [`Ready`]); whichever arrives second
-//! makes the match (`Endpoint::ready` on the engine thread, or `control` on the side channel's
+//! The table's halves ([`Registration`], [`Ready`]: see `halves`) meet in the table; whichever
+//! arrives second makes the match (`Endpoint::ready` on the engine thread, or `control` on the side channel's
 //! reader), and the writer gets it as `Command::Write`. The writer then
 //!
 //! 1. begins the write in the table, which refuses a match that a cancel, an abort or a newer
@@ -28,56 +28,21 @@ use std::time::{Duration, Instant};
 use crate::clock::BootInstant;
 use crate::key::TransferKey;
 use crate::planner::{BlockList, PlanRequest};
-use crate::protocol::{
-    Cancel, CancelAck, Done, Encoder, Fail, FailReason, Hello, Message, Register, Secret,
-};
+use crate::protocol::{Cancel, CancelAck, Done, Encoder, FailReason, Hello, Message, Secret};
 use crate::rendezvous::{FenceReason, Match, Outcome as TableOutcome, RendezvousError};
 use crate::side_channel::PeerId;
 use crate::sync::lock;
-use crate::transport::{MemorySpace, Transport, WriteId, WriteState};
+use crate::transport::{MemorySpace, Transport, TransportError, WriteId, WriteState};
 
-use super::agents;
-use super::control::Slot;
+use super::agents::{self, UnusableAgent};
+use super::context::Context;
 use super::events::{Event, Outcome, Reason, Role, Timeline};
 use super::fanout;
-use super::writer::{Writer, BUSY_POLL};
-use super::{Counters, EndpointConfig, ReadyKv, Shared, HORIZON_MARGIN};
+use super::halves::{Ready, Registration};
+use super::{Counters, EndpointConfig, Shared, HORIZON_MARGIN};
 
 /// How long a closing writer lets in-flight writes finish before abandoning them.
 pub(super) const DRAIN_ON_CLOSE: Duration = Duration::from_secs(2);
-
-/// D's registration as P's table holds it.
-#[derive(Debug)]
-pub(crate) struct Registration {
-    /// The side channel connection it came on (replies go back on it).
-    pub(crate) peer: PeerId,
-    /// The message itself.
-    pub(crate) register: Register,
-    /// When it arrived.
-    pub(crate) at: Instant,
-    /// The peer's quota slot it holds until dropped.
-    pub(crate) _slot: Slot,
-}
-
-impl Registration {
-    /// A FAIL for this registration.
-    pub(crate) fn fail(&self, reason: FailReason, detail: String) -> Fail {
-        Fail {
-            transfer_key: self.register.transfer_key.clone(),
-            request_id: self.register.request_id.clone(),
-            epoch: self.register.epoch,
-            reason,
-            detail,
-        }
-    }
-}
-
-/// P's ready KV as the table holds it.
-#[derive(Debug)]
-pub(crate) struct Ready {
-    pub(crate) kv: ReadyKv,
-    pub(crate) at: Instant,
-}
 
 /// P: a posted WRITE.
 #[derive(Debug)]
@@ -99,7 +64,7 @@ struct InFlight {
     overdue: bool,
 }
 
-/// P: a posted WRITE's id, bytes, runs and the agent written to (see `Writer::post`).
+/// P: a posted WRITE's id, bytes, runs and the agent written to (see `Sends::post`).
 type Posted = (WriteId, u64, u32, String);
 
 /// P: why a WRITE was not posted: the FAIL reason for D, the code and detail for P's event.
@@ -152,154 +117,62 @@ impl Sends {
     pub(super) fn writing(&self) -> bool {
         !self.in_flight.is_empty()
     }
-}
 
-impl<T: Transport> Writer<T> {
     /// One more use of the peer's transport agent, loading it on first use. An agent already
     /// loaded is shared only with a peer whose metadata is the same (a reconnect of the same
     /// process): a name is not an identity (see `agents`).
-    pub(super) fn use_agent(&mut self, hello: &Hello) -> Result<String, String> {
+    pub(super) fn use_agent<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        hello: &Hello,
+    ) -> Result<String, UnusableAgent> {
         let digest = agents::digest(&hello.agent_metadata);
-        if let Some(uses) = self.sends.agents.get_mut(&hello.agent_name) {
-            self.shared.agents.load(&hello.engine_id, &hello.agent_name, digest)?;
+        if let Some(uses) = self.agents.get_mut(&hello.agent_name) {
+            cx.shared.agents.load(&hello.engine_id, &hello.agent_name, digest)?;
             *uses += 1;
             return Ok(hello.agent_name.clone());
         }
         // Before the transport learns the peer: a metadata that another agent's name already
         // stands for must not replace (or join) that agent.
-        self.shared.agents.load(&hello.engine_id, &hello.agent_name, digest)?;
-        let name = match self.transport.add_peer(&hello.agent_metadata) {
+        cx.shared.agents.load(&hello.engine_id, &hello.agent_name, digest)?;
+        let name = match cx.transport.add_peer(&hello.agent_metadata) {
             Ok(name) if name == hello.agent_name => name,
             loaded => {
-                self.shared.agents.unload(&hello.agent_name);
-                let name = loaded.map_err(|e| e.to_string())?;
-                if !self.sends.agents.contains_key(&name) {
-                    let _ = self.transport.remove_peer(&name);
+                cx.shared.agents.unload(&hello.agent_name);
+                let name = loaded?;
+                if !self.agents.contains_key(&name) {
+                    let _ = cx.transport.remove_peer(&name);
                 }
-                return Err(format!(
-                    "peer {}'s agent metadata names agent {name:?} but its hello says {:?}",
-                    hello.engine_id, hello.agent_name
-                ));
+                return Err(UnusableAgent::Misnamed {
+                    engine_id: hello.engine_id.clone(),
+                    loaded: name,
+                    declared: hello.agent_name.clone(),
+                });
             }
         };
-        self.sends.agents.insert(name.clone(), 1);
+        self.agents.insert(name.clone(), 1);
         Ok(name)
     }
 
     /// One use of `agent` ended; the last one forgets it.
-    pub(super) fn release_agent(&mut self, agent: &str) {
-        let Some(uses) = self.sends.agents.get_mut(agent) else { return };
+    pub(super) fn release_agent<T: Transport>(&mut self, cx: &mut Context<T>, agent: &str) {
+        let Some(uses) = self.agents.get_mut(agent) else { return };
         *uses -= 1;
         if *uses == 0 {
-            self.sends.agents.remove(agent);
-            let _ = self.transport.remove_peer(agent);
-            self.shared.agents.unload(agent);
+            self.agents.remove(agent);
+            let _ = cx.transport.remove_peer(agent);
+            cx.shared.agents.unload(agent);
         }
     }
 
-    /// A lost peer: nothing may be written to it; its waiting registrations go now.
-    pub(super) fn purge_registrations(&mut self, peer: PeerId) {
-        let now = self.shared.now();
-        let purged = self.shared.table.purge(|r: &Registration| r.peer == peer, now);
-        for (key, _, _) in &purged {
-            Counters::add(&self.shared.counters.purged_registrations);
-            release_slot(&self.shared, key, FenceReason::Cancelled, now);
-        }
-    }
-
-    /// D's cancel was applied to the table before any write began: acknowledge it, and report
-    /// the send of P's KV it released, if any.
-    pub(super) fn acknowledge_cancel(
+    pub(super) fn write<T: Transport>(
         &mut self,
-        peer: PeerId,
-        cancel: Cancel,
-        released: Option<Arc<Ready>>,
+        cx: &mut Context<T>,
+        m: Match<Registration, Arc<Ready>>,
     ) {
-        if let Some(ready) = released {
-            let reason = format!("D cancelled transfer {}", cancel.transfer_key);
-            self.report_send(
-                &ready,
-                &cancel.transfer_key,
-                Outcome::cancelled(Reason::Cancelled, reason),
-                None,
-            );
-        }
-        let ack = CancelAck {
-            transfer_key: cancel.transfer_key,
-            request_id: cancel.request_id,
-            epoch: cancel.epoch,
-            wrote: false,
-            delivered: false,
-        };
-        self.send(peer, Message::CancelAck(ack));
-    }
-
-    fn report_send(
-        &self,
-        ready: &Ready,
-        key: &str,
-        outcome: Outcome,
-        write: Option<(&InFlight, Instant)>,
-    ) {
-        let mut timeline = Timeline { ready: Some(self.seconds(ready.at)), ..Timeline::default() };
-        let (mut bytes, mut runs) = (0, 0);
-        if let Some((w, completed)) = write {
-            timeline.registered = Some(self.seconds(w.registration.at));
-            timeline.matched = Some(self.seconds(w.matched));
-            timeline.posted = Some(self.seconds(w.posted));
-            timeline.completed = Some(self.seconds(completed));
-            bytes = w.bytes;
-            runs = w.runs;
-        }
-        let mut key = TransferKey::from_canonical(key);
-        let mut outcome = outcome;
-        if let Some((base, _)) = key.split_slot() {
-            // One slot of a transfer written into several D ranks: the send ends with its last.
-            let mut groups = lock(&self.shared.fanouts);
-            let Some(group) = groups.get_mut(&base) else {
-                // An abort removed the group as this slot's WRITE ended (it found the slot gone
-                // from the table, released the others and answered `Released`): the send's end
-                // was that answer, and the engine has freed the blocks. No second end.
-                return;
-            };
-            if !group.conclude(outcome, bytes, runs) {
-                return;
-            }
-            (outcome, bytes, runs) = group.result();
-            groups.remove(&base);
-            key = base;
-        }
-        self.emit(Event {
-            role: Role::Send,
-            request_id: ready.kv.request_id.clone(),
-            key,
-            outcome,
-            bytes,
-            runs,
-            timeline,
-        });
-    }
-
-    /// Reports the send of a transfer whose every slot ended before any was written.
-    pub(super) fn report_fanout(&self, base: TransferKey) {
-        let Some(group) = lock(&self.shared.fanouts).remove(&base) else { return };
-        let Some(ready) = group.ready() else { return };
-        let (outcome, bytes, runs) = group.result();
-        self.emit(Event {
-            role: Role::Send,
-            request_id: ready.kv.request_id.clone(),
-            key: base,
-            outcome,
-            bytes,
-            runs,
-            timeline: Timeline { ready: Some(self.seconds(ready.at)), ..Timeline::default() },
-        });
-    }
-
-    pub(super) fn write(&mut self, m: Match<Registration, Arc<Ready>>) {
-        let matched = self.shared.now();
+        let matched = cx.shared.now();
         let Match { key, epoch, registration, ready } = m;
-        if let Err(error) = self.shared.table.begin_write(&key, epoch) {
+        if let Err(error) = cx.shared.table.begin_write(&key, epoch) {
             // Superseded: the newer match is already queued. Fenced: whoever ended the transfer
             // got P's KV back and reports it; D only needs to hear that nothing is coming.
             if let RendezvousError::Fenced { reason, .. } = error {
@@ -307,20 +180,20 @@ impl<T: Transport> Writer<T> {
                     FailReason::Cancelled,
                     format!("transfer {key} ended before its write began ({reason})"),
                 );
-                self.send(registration.peer, Message::Fail(fail));
+                cx.send(registration.peer, Message::Fail(fail));
             }
             return;
         }
-        match self.post(&key, &registration, &ready) {
-            Ok((write, bytes, runs, agent)) => self.sends.in_flight.push(InFlight {
+        match self.post(cx, &key, &registration, &ready) {
+            Ok((write, bytes, runs, agent)) => self.in_flight.push(InFlight {
                 write,
                 key,
                 epoch,
                 registration,
                 ready,
                 matched,
-                posted: self.shared.now(),
-                posted_boot: self.shared.boot_now(),
+                posted: cx.shared.now(),
+                posted_boot: cx.shared.boot_now(),
                 bytes,
                 runs,
                 agent,
@@ -328,81 +201,62 @@ impl<T: Transport> Writer<T> {
             }),
             Err((reason, why, detail)) => {
                 let outcome = TableOutcome::Failed(detail.clone());
-                let finished = self.shared.table.finish(&key, epoch, outcome, self.shared.now());
-                self.send(
+                let finished = cx.shared.table.finish(&key, epoch, outcome, cx.shared.now());
+                cx.send(
                     registration.peer,
                     Message::Fail(registration.fail(reason, detail.clone())),
                 );
                 let rematch = match finished {
                     Ok(finished) => {
                         let owed = finished.cancel_acknowledged.then_some(registration.peer);
-                        self.acknowledge_cancels(&key, epoch, &registration, owed, (false, false));
+                        self.acknowledge_cancels(
+                            cx,
+                            &key,
+                            epoch,
+                            &registration,
+                            owed,
+                            (false, false),
+                        );
                         finished.rematch
                     }
                     Err(_) => None,
                 };
                 match rematch {
                     // D re-registered meanwhile: P's KV is still needed for the new blocks.
-                    Some(m) => self.write(m),
+                    Some(m) => self.write(cx, m),
                     None => {
-                        self.report_send(&ready, key.as_str(), Outcome::failed(why, detail), None);
+                        report_send(cx, &ready, key.as_str(), Outcome::failed(why, detail), None);
                     }
                 }
             }
         }
     }
 
-    /// A match that will not be written (the endpoint closes): D hears that nothing was posted,
-    /// and P's engine gets its blocks back. A match the table no longer holds is whoever
-    /// overtook it's to report (as in `write`).
-    pub(super) fn refuse_match(&mut self, m: Match<Registration, Arc<Ready>>, why: &str) {
-        let Match { key, epoch, registration, ready } = m;
-        let detail = format!("transfer {key}: {why} before its WRITE was posted");
-        match self.shared.table.begin_write(&key, epoch) {
-            Ok(()) => {
-                let outcome = TableOutcome::Failed(detail.clone());
-                let _ = self.shared.table.finish(&key, epoch, outcome, self.shared.now());
-                let fail = registration.fail(FailReason::ShuttingDown, detail.clone());
-                self.send(registration.peer, Message::Fail(fail));
-                self.report_send(
-                    &ready,
-                    key.as_str(),
-                    Outcome::failed(Reason::Closed, detail),
-                    None,
-                );
-            }
-            Err(RendezvousError::Fenced { .. }) => {
-                let fail = registration.fail(FailReason::Cancelled, detail);
-                self.send(registration.peer, Message::Fail(fail));
-            }
-            Err(_) => {}
-        }
-    }
-
     /// Plans and posts one write; the error says why not, for D (the FAIL's reason) and for P's
     /// event (its reason code and detail).
-    fn post(
+    fn post<T: Transport>(
         &mut self,
+        cx: &mut Context<T>,
         key: &TransferKey,
         registration: &Registration,
         ready: &Ready,
     ) -> Result<Posted, Refusal> {
-        if let Some(reason) = self.shared.dead.get() {
+        if let Some(reason) = cx.shared.dead.get() {
             let detail = format!("transfer {key}: {reason}");
             return Err((FailReason::ShuttingDown, Reason::WriterDied, detail));
         }
-        let peer = self.peers.get(&registration.peer).ok_or_else(|| {
+        let peer = cx.peers.get(&registration.peer).ok_or_else(|| {
             let detail = format!("D's connection for transfer {key} is gone");
             (FailReason::Refused, Reason::PeerLost, detail)
         })?;
         let planner = peer
             .planner
             .as_ref()
-            .map_err(|e| (FailReason::Incompatible, Reason::Incompatible, e.clone()))?;
+            .map_err(|e| (FailReason::Incompatible, Reason::Incompatible, e.to_string()))?;
         let agent = peer
             .agent
             .as_ref()
-            .map_err(|e| (FailReason::WriteError, Reason::WriteError, e.clone()))?;
+            .map_err(|e| (FailReason::WriteError, Reason::WriteError, e.to_string()))?;
         let register = &registration.register;
         if register.num_tokens > ready.kv.num_tokens {
             return Err((
@@ -439,20 +293,20 @@ impl<T: Transport> Writer<T> {
             transfer_key: key.as_str().to_owned(),
             request_id: register.request_id.clone(),
             epoch: register.epoch,
-            tp_rank: self.layout.tp_rank,
-            tp_size: self.layout.tp_size,
+            tp_rank: cx.layout.tp_rank,
+            tp_size: cx.layout.tp_size,
             bytes: plan.stats.bytes,
             runs,
             nonce: register.nonce,
         });
-        let notification = self.sends.notifications.encode(&done, self.shared.unix_millis());
+        let notification = self.notifications.encode(&done, cx.shared.unix_millis());
         let remote = peer.memory;
         // The lease, checked last, right before the post: D may have given these blocks up
         // once its proof of life is older than the lease (it then waits out our horizon).
-        match self.side_channel.proof_age(registration.peer) {
-            Some(age) if age < self.sends.lease => {}
+        match cx.side_channel.proof_age(registration.peer) {
+            Some(age) if age < self.lease => {}
             age => {
-                Counters::add(&self.shared.counters.lapsed_leases);
+                Counters::add(&cx.shared.counters.lapsed_leases);
                 let age = age.map_or_else(|| "none".to_owned(), |age| format!("{age:.1?} old"));
                 return Err((
                     FailReason::Refused,
@@ -461,26 +315,26 @@ impl<T: Transport> Writer<T> {
                         "transfer {key}: D's last proof of life is {age}, past P's lease of \
                          {:?}; not writing into blocks D may have given up (is the link between \
                          P and D partitioned?)",
-                        self.sends.lease
+                        self.lease
                     ),
                 ));
             }
         }
-        let checked = self.shared.now();
-        let write = self
+        let checked = cx.shared.now();
+        let write = cx
             .transport
-            .post_write(agent, &plan.runs, self.sends.memory, remote, &notification)
+            .post_write(agent, &plan.runs, self.memory, remote, &notification)
             .map_err(|e| {
                 (FailReason::WriteError, Reason::WriteError, format!("transfer {key}: {e}"))
             })?;
         // The horizon's margin covers the moments between the check and the post; a process
         // stopped right there for longer (SIGSTOP, a VM pause) posted outside it. Nothing can
         // recall a posted WRITE: count it, so that an operator sees the fence was at risk.
-        if self.shared.now().saturating_duration_since(checked) > HORIZON_MARGIN {
-            Counters::add(&self.shared.counters.late_posts);
+        if cx.shared.now().saturating_duration_since(checked) > HORIZON_MARGIN {
+            Counters::add(&cx.shared.counters.late_posts);
         }
         let agent = agent.clone();
-        *self.sends.agents.entry(agent.clone()).or_insert(0) += 1;
+        *self.agents.entry(agent.clone()).or_insert(0) += 1;
         Ok((write, plan.stats.bytes, runs, agent))
     }
 
@@ -490,18 +344,22 @@ impl<T: Transport> Writer<T> {
     /// unfinished one tells NIXL to forget it, not UCX to stop moving its bytes, so P says
     /// nothing to D (no FAIL, no CANCEL_ACK) before the transport is done with it, and D holds
     /// its blocks until then.
-    pub(super) fn notice_overdue_writes(&mut self, now: BootInstant) {
-        let timeout = self.sends.write_timeout;
-        let overdue: Vec<usize> = (0..self.sends.in_flight.len())
+    pub(super) fn notice_overdue_writes<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        now: BootInstant,
+    ) {
+        let timeout = self.write_timeout;
+        let overdue: Vec<usize> = (0..self.in_flight.len())
             .filter(|&i| {
-                let w = &self.sends.in_flight[i];
+                let w = &self.in_flight[i];
                 !w.overdue && now.saturating_duration_since(w.posted_boot) > timeout
             })
             .collect();
         for i in overdue {
-            self.sends.in_flight[i].overdue = true;
-            Counters::add(&self.shared.counters.quarantined_writes);
-            let w = &self.sends.in_flight[i];
+            self.in_flight[i].overdue = true;
+            Counters::add(&cx.shared.counters.quarantined_writes);
+            let w = &self.in_flight[i];
             let detail = format!(
                 "transfer {}: the WRITE is not done after {timeout:?} (a stalled process or link, or a \
                  slow peer); P keeps its source blocks, and D its destination blocks, until the \
@@ -516,52 +374,66 @@ impl<T: Transport> Writer<T> {
                 bytes: w.bytes,
                 runs: w.runs,
                 timeline: Timeline {
-                    ready: Some(self.seconds(w.ready.at)),
-                    posted: Some(self.seconds(w.posted)),
+                    ready: Some(cx.seconds(w.ready.at)),
+                    posted: Some(cx.seconds(w.posted)),
                     ..Timeline::default()
                 },
             };
-            self.emit(event);
+            cx.emit(event);
         }
     }
 
-    pub(super) fn poll_writes(&mut self) {
+    pub(super) fn poll_writes<T: Transport>(&mut self, cx: &mut Context<T>) {
         let mut i = 0;
-        while i < self.sends.in_flight.len() {
-            let result = match self.transport.poll_write(self.sends.in_flight[i].write) {
+        while i < self.in_flight.len() {
+            let result = match cx.transport.poll_write(self.in_flight[i].write) {
                 Ok(WriteState::InProgress) => {
                     i += 1;
                     continue;
                 }
                 Ok(WriteState::Done) => Ok(()),
-                Err(e) => Err(e.to_string()),
+                Err(e) => Err(e),
             };
-            let w = self.sends.in_flight.swap_remove(i);
-            self.finish(w, result);
+            let w = self.in_flight.swap_remove(i);
+            self.finish(cx, w, result);
         }
     }
 
-    fn finish(&mut self, w: InFlight, result: Result<(), String>) {
+    fn finish<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        w: InFlight,
+        result: Result<(), TransportError>,
+    ) {
         let delivered = result.is_ok();
-        let now = self.shared.now();
-        self.release_agent(&w.agent.clone());
+        let now = cx.shared.now();
+        self.release_agent(cx, &w.agent.clone());
+        // The table and the events keep the failure's text.
+        let result = result.map_err(|e| e.to_string());
         let outcome = match &result {
             Ok(()) => TableOutcome::Done,
             Err(e) => TableOutcome::Failed(e.clone()),
         };
-        let finished = self.shared.table.finish(&w.key, w.epoch, outcome, now);
+        let finished = cx.shared.table.finish(&w.key, w.epoch, outcome, now);
         let event_outcome = match result {
             Ok(()) => Outcome::Done,
             Err(detail) => {
                 let fail = w.registration.fail(FailReason::WriteError, detail.clone());
-                self.send(w.registration.peer, Message::Fail(fail));
+                cx.send(w.registration.peer, Message::Fail(fail));
                 Outcome::failed(Reason::WriteError, detail)
             }
         };
         let rematch = match finished {
             Ok(finished) => {
                 let owed = finished.cancel_acknowledged.then_some(w.registration.peer);
-                self.acknowledge_cancels(&w.key, w.epoch, &w.registration, owed, (true, delivered));
+                self.acknowledge_cancels(
+                    cx,
+                    &w.key,
+                    w.epoch,
+                    &w.registration,
+                    owed,
+                    (true, delivered),
+                );
                 finished.rematch
             }
             Err(_) => None,
@@ -569,28 +441,8 @@ impl<T: Transport> Writer<T> {
         match rematch {
             // D re-registered during the write: P's KV is still needed for the new blocks,
             // so this request's send is not over yet.
-            Some(m) => self.write(m),
-            None => self.report_send(&w.ready, w.key.as_str(), event_outcome, Some((&w, now))),
-        }
-    }
-
-    /// Ends the table's halves whose TTL passed: D hears that P's KV was not ready in time, P's
-    /// engine that no registration came.
-    pub(super) fn expire_sends(&mut self, now: Instant) {
-        for expired in self.shared.table.expire(now) {
-            if let Some((_, registration)) = expired.registration {
-                let fail = registration.fail(
-                    FailReason::Expired,
-                    format!("P's KV for transfer {} was not ready in time", expired.key),
-                );
-                self.send(registration.peer, Message::Fail(fail));
-                release_slot(&self.shared, &expired.key, FenceReason::Expired, now);
-            }
-            if let Some(ready) = expired.ready {
-                let reason = format!("no registration from D for transfer {} in time", expired.key);
-                let outcome = Outcome::cancelled(Reason::Expired, reason);
-                self.report_send(&ready, expired.key.as_str(), outcome, None);
-            }
+            Some(m) => self.write(cx, m),
+            None => report_send(cx, &w.ready, w.key.as_str(), event_outcome, Some((&w, now))),
         }
     }
 
@@ -599,17 +451,23 @@ impl<T: Transport> Writer<T> {
     /// D is told nothing of them: its word would claim the transport finished, and it did not;
     /// D holds their blocks until it finds this endpoint gone. Everything left in the table
     /// ends, and D hears of registrations that were never written.
-    pub(super) fn fail_sends(&mut self, reason: &str, at: Instant) {
-        for w in std::mem::take(&mut self.sends.in_flight) {
-            self.cut(w, reason, at);
+    pub(super) fn fail_sends<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        reason: &str,
+        at: Instant,
+    ) {
+        for w in std::mem::take(&mut self.in_flight) {
+            self.cut(cx, w, reason, at);
         }
-        for expired in self.shared.table.drain(at) {
+        for expired in cx.shared.table.drain(at) {
             if let Some((_, registration)) = expired.registration {
                 let fail = registration.fail(FailReason::ShuttingDown, reason.to_owned());
-                self.send(registration.peer, Message::Fail(fail));
+                cx.send(registration.peer, Message::Fail(fail));
             }
             if let Some(ready) = expired.ready {
-                self.report_send(
+                report_send(
+                    cx,
                     &ready,
                     expired.key.as_str(),
                     Outcome::failed(Reason::WriterDied, reason.to_owned()),
@@ -621,25 +479,26 @@ impl<T: Transport> Writer<T> {
 
     /// A write the transport will never be driven for again (the writer died or closes):
     /// its send fails; D is not told (see `fail_sends`).
-    fn cut(&mut self, w: InFlight, reason: &str, at: Instant) {
+    fn cut<T: Transport>(&mut self, cx: &mut Context<T>, w: InFlight, reason: &str, at: Instant) {
         let detail = format!("transfer {}: {reason}; the WRITE was not finished", w.key);
-        let _ = self.shared.table.finish(&w.key, w.epoch, TableOutcome::Failed(detail.clone()), at);
-        self.sends.ack_waiters.remove(&(w.key.clone(), w.epoch));
+        let _ = cx.shared.table.finish(&w.key, w.epoch, TableOutcome::Failed(detail.clone()), at);
+        self.ack_waiters.remove(&(w.key.clone(), w.epoch));
         let outcome = Outcome::failed(Reason::WriterDied, detail);
-        self.report_send(&w.ready, w.key.as_str(), outcome, Some((&w, at)));
+        report_send(cx, &w.ready, w.key.as_str(), outcome, Some((&w, at)));
     }
 
-    /// The endpoint closes: writes in flight get `DRAIN_ON_CLOSE` to finish; the rest are cut
-    /// (the transport is dropped with the writer, and D finds the endpoint gone).
-    pub(super) fn drain_writes(&mut self) {
-        let deadline = self.shared.now() + DRAIN_ON_CLOSE;
-        while self.sends.writing() && self.shared.now() < deadline {
-            self.poll_writes();
-            thread::sleep(BUSY_POLL);
+    /// The endpoint closes: writes in flight get `DRAIN_ON_CLOSE` to finish, polled every
+    /// `poll`; the rest are cut (the transport is dropped with the writer, and D finds the
+    /// endpoint gone).
+    pub(super) fn drain_writes<T: Transport>(&mut self, cx: &mut Context<T>, poll: Duration) {
+        let deadline = cx.shared.now() + DRAIN_ON_CLOSE;
+        while self.writing() && cx.shared.now() < deadline {
+            self.poll_writes(cx);
+            thread::sleep(poll);
         }
-        let at = self.shared.now();
-        for w in std::mem::take(&mut self.sends.in_flight) {
-            self.cut(w, "the endpoint closed during the write", at);
+        let at = cx.shared.now();
+        for w in std::mem::take(&mut self.in_flight) {
+            self.cut(cx, w, "the endpoint closed during the write", at);
         }
     }
 
@@ -647,15 +506,16 @@ impl<T: Transport> Writer<T> {
     /// `delivered` every byte, or not): every D connection that asked to cancel it meanwhile gets
     /// its CANCEL_ACK now, `owed` (the registration's own, when the table recorded its cancel)
     /// included.
-    fn acknowledge_cancels(
+    fn acknowledge_cancels<T: Transport>(
         &mut self,
+        cx: &mut Context<T>,
         key: &TransferKey,
         epoch: u64,
         registration: &Registration,
         owed: Option<PeerId>,
         (wrote, delivered): (bool, bool),
     ) {
-        let mut asked = self.sends.ack_waiters.remove(&(key.clone(), epoch)).unwrap_or_default();
+        let mut asked = self.ack_waiters.remove(&(key.clone(), epoch)).unwrap_or_default();
         asked.extend(owed);
         asked.sort_unstable();
         asked.dedup();
@@ -667,17 +527,22 @@ impl<T: Transport> Writer<T> {
                 wrote,
                 delivered,
             };
-            self.send(peer, Message::CancelAck(ack));
+            cx.send(peer, Message::CancelAck(ack));
         }
     }
 
     /// D asked, on connection `peer`, to cancel a transfer whose WRITE is in flight: it gets
     /// the CANCEL_ACK when the transport finished with the WRITE (see `finish`).
-    pub(super) fn acknowledge_when_written(&mut self, peer: PeerId, cancel: Cancel) {
+    pub(super) fn acknowledge_when_written<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        peer: PeerId,
+        cancel: Cancel,
+    ) {
         let key = TransferKey::from_canonical(&cancel.transfer_key);
-        let writing = self.sends.in_flight.iter().any(|w| w.key == key && w.epoch == cancel.epoch);
+        let writing = self.in_flight.iter().any(|w| w.key == key && w.epoch == cancel.epoch);
         if writing {
-            self.sends.ack_waiters.entry((key, cancel.epoch)).or_default().push(peer);
+            self.ack_waiters.entry((key, cancel.epoch)).or_default().push(peer);
         } else {
             // It finished between the table's answer and this command: acknowledge now.
             let ack = CancelAck {
@@ -688,7 +553,153 @@ impl<T: Transport> Writer<T> {
                 // Whether it completed is not known here: D does not count it delivered.
                 delivered: false,
             };
-            self.send(peer, Message::CancelAck(ack));
+            cx.send(peer, Message::CancelAck(ack));
+        }
+    }
+}
+
+/// A lost peer: nothing may be written to it; its waiting registrations go now.
+pub(super) fn purge_registrations<T: Transport>(cx: &mut Context<T>, peer: PeerId) {
+    let now = cx.shared.now();
+    let purged = cx.shared.table.purge(|r: &Registration| r.peer == peer, now);
+    for (key, _, _) in &purged {
+        Counters::add(&cx.shared.counters.purged_registrations);
+        release_slot(&cx.shared, key, FenceReason::Cancelled, now);
+    }
+}
+
+/// D's cancel was applied to the table before any write began: acknowledge it, and report
+/// the send of P's KV it released, if any.
+pub(super) fn acknowledge_cancel<T: Transport>(
+    cx: &mut Context<T>,
+    peer: PeerId,
+    cancel: Cancel,
+    released: Option<Arc<Ready>>,
+) {
+    if let Some(ready) = released {
+        let reason = format!("D cancelled transfer {}", cancel.transfer_key);
+        report_send(
+            cx,
+            &ready,
+            &cancel.transfer_key,
+            Outcome::cancelled(Reason::Cancelled, reason),
+            None,
+        );
+    }
+    let ack = CancelAck {
+        transfer_key: cancel.transfer_key,
+        request_id: cancel.request_id,
+        epoch: cancel.epoch,
+        wrote: false,
+        delivered: false,
+    };
+    cx.send(peer, Message::CancelAck(ack));
+}
+
+fn report_send<T: Transport>(
+    cx: &Context<T>,
+    ready: &Ready,
+    key: &str,
+    outcome: Outcome,
+    write: Option<(&InFlight, Instant)>,
+) {
+    let mut timeline = Timeline { ready: Some(cx.seconds(ready.at)), ..Timeline::default() };
+    let (mut bytes, mut runs) = (0, 0);
+    if let Some((w, completed)) = write {
+        timeline.registered = Some(cx.seconds(w.registration.at));
+        timeline.matched = Some(cx.seconds(w.matched));
+        timeline.posted = Some(cx.seconds(w.posted));
+        timeline.completed = Some(cx.seconds(completed));
+        bytes = w.bytes;
+        runs = w.runs;
+    }
+    let mut key = TransferKey::from_canonical(key);
+    let mut outcome = outcome;
+    if let Some((base, _)) = key.split_slot() {
+        // One slot of a transfer written into several D ranks: the send ends with its last.
+        let mut groups = lock(&cx.shared.fanouts);
+        let Some(group) = groups.get_mut(&base) else {
+            // An abort removed the group as this slot's WRITE ended (it found the slot gone
+            // from the table, released the others and answered `Released`): the send's end
+            // was that answer, and the engine has freed the blocks. No second end.
+            return;
+        };
+        if !group.conclude(outcome, bytes, runs) {
+            return;
+        }
+        (outcome, bytes, runs) = group.result();
+        groups.remove(&base);
+        key = base;
+    }
+    cx.emit(Event {
+        role: Role::Send,
+        request_id: ready.kv.request_id.clone(),
+        key,
+        outcome,
+        bytes,
+        runs,
+        timeline,
+    });
+}
+
+/// Reports the send of a transfer whose every slot ended before any was written.
+pub(super) fn report_fanout<T: Transport>(cx: &Context<T>, base: TransferKey) {
+    let Some(group) = lock(&cx.shared.fanouts).remove(&base) else { return };
+    let Some(ready) = group.ready() else { return };
+    let (outcome, bytes, runs) = group.result();
+    cx.emit(Event {
+        role: Role::Send,
+        request_id: ready.kv.request_id.clone(),
+        key: base,
+        outcome,
+        bytes,
+        runs,
+        timeline: Timeline { ready: Some(cx.seconds(ready.at)), ..Timeline::default() },
+    });
+}
+
+/// A match that will not be written (the endpoint closes): D hears that nothing was posted,
+/// and P's engine gets its blocks back. A match the table no longer holds is whoever
+/// overtook it's to report (as in `write`).
+pub(super) fn refuse_match<T: Transport>(
+    cx: &mut Context<T>,
+    m: Match<Registration, Arc<Ready>>,
+    why: &str,
+) {
+    let Match { key, epoch, registration, ready } = m;
+    let detail = format!("transfer {key}: {why} before its WRITE was posted");
+    match cx.shared.table.begin_write(&key, epoch) {
+        Ok(()) => {
+            let outcome = TableOutcome::Failed(detail.clone());
+            let _ = cx.shared.table.finish(&key, epoch, outcome, cx.shared.now());
+            let fail = registration.fail(FailReason::ShuttingDown, detail.clone());
+            cx.send(registration.peer, Message::Fail(fail));
+            report_send(cx, &ready, key.as_str(), Outcome::failed(Reason::Closed, detail), None);
+        }
+        Err(RendezvousError::Fenced { .. }) => {
+            let fail = registration.fail(FailReason::Cancelled, detail);
+            cx.send(registration.peer, Message::Fail(fail));
+        }
+        Err(_) => {}
+    }
+}
+
+/// Ends the table's halves whose TTL passed: D hears that P's KV was not ready in time, P's
+/// engine that no registration came.
+pub(super) fn expire_sends<T: Transport>(cx: &mut Context<T>, now: Instant) {
+    for expired in cx.shared.table.expire(now) {
+        if let Some((_, registration)) = expired.registration {
+            let fail = registration.fail(
+                FailReason::Expired,
+                format!("P's KV for transfer {} was not ready in time", expired.key),
+            );
+            cx.send(registration.peer, Message::Fail(fail));
+            release_slot(&cx.shared, &expired.key, FenceReason::Expired, now);
+        }
+        if let Some(ready) = expired.ready {
+            let reason = format!("no registration from D for transfer {} in time", expired.key);
+            let outcome = Outcome::cancelled(Reason::Expired, reason);
+            report_send(cx, &ready, expired.key.as_str(), outcome, None);
         }
     }
 }

@@ -12,14 +12,16 @@ use super::{EndpointConfig, Expectation, Shared};
 use crate::layout::{KvLayout, Region, TokenOrder};
 use crate::loopback::LoopbackTransport;
 use crate::protocol::{BlockGroup, Hello, Message, PROTOCOL_VERSION};
-use crate::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig};
+use crate::side_channel::{
+    ControlHandler, PeerId, PeerInfo, Refusal, SideChannel, SideChannelConfig,
+};
 use crate::transport::MemorySpace;
 
 /// A handler for a side channel whose peers this test never hears from.
 struct Deaf;
 
 impl ControlHandler for Deaf {
-    fn peer_joined(&self, _peer: &PeerInfo) -> Result<(), String> {
+    fn peer_joined(&self, _peer: &PeerInfo) -> Result<(), Refusal> {
         Ok(())
     }
     fn message(&self, _peer: PeerId, _message: Message) {}
@@ -95,7 +97,7 @@ fn a_connection_lost_before_its_result_came_is_not_kept_as_the_source() {
     // Nobody listens there: the connector's own attempts fail, unread.
     let source = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a port");
     let source = source.to_string();
-    writer.expect(expectation("req-1", &source), Instant::now());
+    writer.receives.expect(&mut writer.cx, expectation("req-1", &source), Instant::now());
     // The connection to P joined and was lost before the connector's result reached the
     // writer: its `PeerLost` was handled first, so the writer no longer knows the peer.
     let info = PeerInfo {
@@ -104,7 +106,7 @@ fn a_connection_lost_before_its_result_came_is_not_kept_as_the_source() {
         hello: hello("p"),
         inbound: false,
     };
-    writer.connected(source.clone(), Ok(info));
+    writer.receives.connected(&mut writer.cx, source.clone(), Ok(info));
     let failed = events.try_recv().expect("the waiting receive ends at once");
     assert!(
         matches!(&failed.outcome, Outcome::Failed(cause)
@@ -112,7 +114,7 @@ fn a_connection_lost_before_its_result_came_is_not_kept_as_the_source() {
         "{failed:?}"
     );
     // A later expectation connects again, instead of registering on the dead connection.
-    writer.expect(expectation("req-2", &source), Instant::now());
+    writer.receives.expect(&mut writer.cx, expectation("req-2", &source), Instant::now());
     assert!(events.try_recv().is_err(), "req-2 was sent to the dead connection");
     writer.shut_down();
     let closed = events.try_recv().expect("closing ends req-2");

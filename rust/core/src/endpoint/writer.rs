@@ -6,8 +6,9 @@
 //! receive path ([`receive`](super::receive): register with P, count DONEs, cancel); every turn
 //! it polls the writes in flight and takes the transport's notifications, and every
 //! `DEADLINE_CHECK` it lets both paths enforce their deadlines. Each request's end is reported as
-//! one [`Event`]. This module owns what the two paths share: the loop and its pacing, the peers
-//! the writer knows, and the writer's end (a clean close, or failing everything after a panic).
+//! one [`Event`]. This module owns the loop and its pacing, the peers joining and leaving, and the
+//! writer's end (a clean close, or failing everything after a panic); what the two paths share
+//! (the transport, the peers the writer knows) is the [`Context`] it lends each of their calls.
 //!
 //! It polls every `BUSY_POLL` while anything is in flight or awaited, sleeps on its inbox for up
 //! to `IDLE_POLL` while the table holds a half or a command came recently, and for up to
@@ -42,23 +43,23 @@ use std::sync::mpsc::{RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::key::TransferKey;
-use crate::layout::KvLayout;
 use crate::planner::Planner;
-use crate::protocol::{Cancel, Fail, Message, Secret};
-use crate::rendezvous::Match;
-use crate::side_channel::{PeerId, PeerInfo, SideChannelError};
-use crate::transport::{MemorySpace, Transport};
+use crate::protocol::{Message, Secret};
+use crate::side_channel::{PeerId, PeerInfo};
+use crate::transport::Transport;
 
+use super::agents::UnusableAgent;
+use super::command::Command;
+use super::context::{Context, Peer, Unplannable, MAX_HORIZON};
 use super::events::{Event, Reason};
 use super::inbox::Commands;
 use super::link::Link;
-use super::receive::Receives;
-use super::send::{Ready, Registration, Sends};
-use super::{EndpointConfig, Expectation, Shared};
+use super::receive::{self, Receives};
+use super::send::{self, Sends};
+use super::{EndpointConfig, Shared};
 
 /// Poll period while writes are in flight or DONEs awaited.
-pub(super) const BUSY_POLL: Duration = Duration::from_micros(200);
+const BUSY_POLL: Duration = Duration::from_micros(200);
 /// Longest sleep when nothing is pending: bounds how late a peer's connection setup is
 /// progressed by a transport without its own progress thread.
 const IDLE_POLL: Duration = Duration::from_millis(20);
@@ -71,93 +72,12 @@ const SETTLE: Duration = Duration::from_secs(1);
 const QUIET_POLL: Duration = Duration::from_millis(500);
 /// How often the rendezvous table and D's deadlines are checked.
 const DEADLINE_CHECK: Duration = Duration::from_millis(10);
-/// The horizon D assumes for a P whose Hello advertised none (0), and the most it believes: a
-/// P cannot make D hold blocks for longer than this after losing it.
-pub(super) const MAX_HORIZON: Duration = Duration::from_secs(3_600);
-
-/// What the writer is asked to do.
-#[derive(Debug)]
-pub(crate) enum Command {
-    /// P: both halves met: write.
-    Write(Match<Registration, Arc<Ready>>),
-    /// P: tell D its transfer will not happen.
-    Fail { peer: PeerId, fail: Fail },
-    /// P: D's cancel was applied; acknowledge it and report P's released KV, if any.
-    AcknowledgeCancel { peer: PeerId, cancel: Cancel, released: Option<Arc<Ready>> },
-    /// P: D's cancel found the WRITE in flight: acknowledge it on `peer` once the transport
-    /// finished with the WRITE.
-    AcknowledgeWhenWritten { peer: PeerId, cancel: Cancel },
-    /// D: register blocks with P and await the KV.
-    Expect(Expectation, Instant),
-    /// D: stop awaiting a request.
-    CancelExpectation(String),
-    /// D: a side channel connection to P was set up (or not).
-    Connected { source: String, result: Result<PeerInfo, ConnectFailure> },
-    /// A peer finished its handshake.
-    PeerJoined(PeerInfo),
-    /// A peer is gone: its connection closed at `at`.
-    PeerLost { peer: PeerId, reason: String, at: Instant },
-    /// A control message for the writer (FAIL, CANCEL_ACK, ERROR on D).
-    FromPeer(PeerId, Message),
-    /// P: every slot of this transfer's group ended (see `fanout`): report its send.
-    ReportFanOut(TransferKey),
-    /// Close: finish or abandon what is in flight, fail what is pending, exit.
-    Stop,
-}
-
-/// Why D could not connect to a P, as far as the fence cares.
-#[derive(Debug, Clone)]
-pub(crate) struct ConnectFailure {
-    /// What went wrong, for the request's event.
-    pub(crate) reason: String,
-    /// Nothing listens at the address (its host refused the connection): an endpoint D lost
-    /// there is gone.
-    pub(crate) refused: bool,
-}
-
-impl ConnectFailure {
-    pub(crate) fn of(error: &SideChannelError) -> Self {
-        let refused = matches!(
-            error,
-            SideChannelError::Connect { source, .. }
-                if source.kind() == std::io::ErrorKind::ConnectionRefused
-        );
-        Self { reason: error.to_string(), refused }
-    }
-}
-
-/// A peer as the writer knows it.
-#[derive(Debug)]
-pub(super) struct Peer {
-    /// The peer's agent name, from its Hello (what its notifications are sent as).
-    pub(super) name: String,
-    /// P: the transport's name for the peer once its metadata loaded (a use of P's agents).
-    pub(super) agent: Result<String, String>,
-    /// P: how to write into this peer (D), or why it cannot be written to.
-    pub(super) planner: Result<Planner, String>,
-    /// Where the peer's KV cache lives.
-    pub(super) memory: MemorySpace,
-    /// D: how long after losing this P it may still be writing (its advertised horizon).
-    pub(super) horizon: Duration,
-    /// D: how long this P's accepted bytes may still land once its endpoint is gone (its
-    /// advertised delivery bound; the horizon when it advertised none).
-    pub(super) delivery_bound: Duration,
-    /// The model's KV heads the peer holds, and how many ranks its engine splits them over.
-    pub(super) heads: std::ops::Range<u64>,
-    pub(super) tp_size: u32,
-}
-
 /// The writer thread's state; see the module docs. Each path keeps its own state (`sends`,
 /// `receives`); the rest is what both use.
 pub(crate) struct Writer<T: Transport> {
-    pub(super) transport: T,
-    pub(super) layout: KvLayout,
-    pub(super) engine_id: String,
-    pub(super) shared: Arc<Shared>,
-    pub(super) side_channel: Arc<dyn Link>,
+    /// What both paths use (the transport, the peers, ...), lent to each call of theirs.
+    pub(super) cx: Context<T>,
     commands: Commands,
-    events: Sender<Event>,
-    pub(super) peers: HashMap<PeerId, Peer>,
     /// P: writes in flight and the agents they use.
     pub(super) sends: Sends,
     /// D: receives awaited and the connections to their P ranks.
@@ -169,8 +89,7 @@ pub(crate) struct Writer<T: Transport> {
 impl<T: Transport> std::fmt::Debug for Writer<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Writer")
-            .field("engine_id", &self.engine_id)
-            .field("peers", &self.peers.len())
+            .field("cx", &self.cx)
             .field("sends", &self.sends)
             .field("receives", &self.receives)
             .finish_non_exhaustive()
@@ -190,14 +109,16 @@ impl<T: Transport> Writer<T> {
         let sends = Sends::new(config, transport.name(), secret.clone());
         let now = shared.now();
         Self {
-            layout: config.layout.clone(),
-            engine_id: config.engine_id.clone(),
-            transport,
-            shared,
-            side_channel,
+            cx: Context {
+                layout: config.layout.clone(),
+                engine_id: config.engine_id.clone(),
+                transport,
+                shared,
+                side_channel,
+                events,
+                peers: HashMap::new(),
+            },
             commands,
-            events,
-            peers: HashMap::new(),
             sends,
             receives: Receives::new(secret, config.limits),
             last_deadline_check: now,
@@ -212,7 +133,7 @@ impl<T: Transport> Writer<T> {
             self.beat();
             let first = match self.commands.recv_timeout(self.poll_period()) {
                 Ok(command) => {
-                    self.last_command = self.shared.now();
+                    self.last_command = self.cx.shared.now();
                     Some(command)
                 }
                 Err(RecvTimeoutError::Timeout) => None,
@@ -244,15 +165,16 @@ impl<T: Transport> Writer<T> {
         }
         // Deadlines first: nothing below may drive the transport for a write before its
         // deadline was looked at (a stalled process resumes here).
-        self.notice_overdue_writes(self.shared.boot_now());
-        self.poll_writes();
-        self.take_notifications();
+        let now = self.cx.shared.boot_now();
+        self.sends.notice_overdue_writes(&mut self.cx, now);
+        self.sends.poll_writes(&mut self.cx);
+        self.receives.take_notifications(&mut self.cx);
         for command in commands {
             if self.handle(command) {
                 return true;
             }
         }
-        let now = self.shared.now();
+        let now = self.cx.shared.now();
         if now.saturating_duration_since(self.last_deadline_check) >= DEADLINE_CHECK {
             self.last_deadline_check = now;
             self.check_deadlines();
@@ -263,17 +185,18 @@ impl<T: Transport> Writer<T> {
     /// Tells the watchdog (`Shared::health`) the writer is still coming round its loop.
     pub(crate) fn beat(&self) {
         // Relaxed: a timestamp read on its own.
-        self.shared
+        self.cx
+            .shared
             .writer_beat_ms
-            .store(self.shared.millis(), std::sync::atomic::Ordering::Relaxed);
+            .store(self.cx.shared.millis(), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// How long the next wait on the inbox may last (see the module docs).
     fn poll_period(&self) -> Duration {
         if self.sends.writing() || self.receives.awaits_kv() {
             BUSY_POLL
-        } else if !self.shared.table.is_empty()
-            || self.shared.now().saturating_duration_since(self.last_command) < SETTLE
+        } else if !self.cx.shared.table.is_empty()
+            || self.cx.shared.now().saturating_duration_since(self.last_command) < SETTLE
         {
             IDLE_POLL
         } else {
@@ -284,39 +207,30 @@ impl<T: Transport> Writer<T> {
     /// Acts on one command; true when the writer must stop.
     fn handle(&mut self, command: Command) -> bool {
         match command {
-            Command::Write(m) => self.write(m),
-            Command::Fail { peer, fail } => self.send(peer, Message::Fail(fail)),
+            Command::Write(m) => self.sends.write(&mut self.cx, m),
+            Command::Fail { peer, fail } => self.cx.send(peer, Message::Fail(fail)),
             Command::AcknowledgeCancel { peer, cancel, released } => {
-                self.acknowledge_cancel(peer, cancel, released);
+                send::acknowledge_cancel(&mut self.cx, peer, cancel, released);
             }
             Command::AcknowledgeWhenWritten { peer, cancel } => {
-                self.acknowledge_when_written(peer, cancel);
+                self.sends.acknowledge_when_written(&mut self.cx, peer, cancel);
             }
-            Command::Expect(expectation, at) => self.expect(expectation, at),
-            Command::CancelExpectation(request_id) => self.cancel_expectation(&request_id),
-            Command::Connected { source, result } => self.connected(source, result),
+            Command::Expect(expectation, at) => self.receives.expect(&mut self.cx, expectation, at),
+            Command::CancelExpectation(request_id) => {
+                self.receives.cancel_expectation(&mut self.cx, &request_id)
+            }
+            Command::Connected { source, result } => {
+                self.receives.connected(&mut self.cx, source, result)
+            }
             Command::PeerJoined(info) => self.peer_joined(info),
             Command::PeerLost { peer, reason, at } => self.peer_lost(peer, &reason, at),
-            Command::FromPeer(peer, message) => self.peer_message(peer, message),
-            Command::ReportFanOut(base) => self.report_fanout(base),
+            Command::FromPeer(peer, message) => {
+                self.receives.peer_message(&mut self.cx, peer, message)
+            }
+            Command::ReportFanOut(base) => send::report_fanout(&self.cx, base),
             Command::Stop => return true,
         }
         false
-    }
-
-    /// Seconds from the endpoint's start to `at`: the clock of event timelines.
-    pub(super) fn seconds(&self, at: Instant) -> f64 {
-        at.saturating_duration_since(self.shared.origin).as_secs_f64()
-    }
-
-    pub(super) fn send(&self, peer: PeerId, message: Message) {
-        // A peer that vanished cannot be told anything; its loss is reported separately.
-        let _ = self.side_channel.send(peer, &message);
-    }
-
-    pub(super) fn emit(&self, event: Event) {
-        // The receiver lives as long as the endpoint; after close nobody is listening.
-        let _ = self.events.send(event);
     }
 
     // ---- peers ----------------------------------------------------------------------------
@@ -326,12 +240,12 @@ impl<T: Transport> Writer<T> {
         // Both sides load the peer's agent (P writes into D; D never writes, but NIXL keeps
         // peers symmetric).
         let agent = if hello.agent_metadata.is_empty() {
-            Err(format!("peer {} sent no agent metadata: it cannot be written to", hello.engine_id))
+            Err(UnusableAgent::NoMetadata { engine_id: hello.engine_id.clone() })
         } else {
-            self.use_agent(hello)
+            self.sends.use_agent(&mut self.cx, hello)
         };
-        let planner = Planner::new(self.layout.clone(), hello.layout.clone())
-            .map_err(|e| format!("cannot write into {}: {e}", hello.engine_id));
+        let planner = Planner::new(self.cx.layout.clone(), hello.layout.clone())
+            .map_err(|source| Unplannable { engine_id: hello.engine_id.clone(), source });
         let horizon = match hello.write_horizon_ms {
             0 => MAX_HORIZON,
             ms => Duration::from_millis(ms).min(MAX_HORIZON),
@@ -350,28 +264,28 @@ impl<T: Transport> Writer<T> {
             heads: hello.layout.global_heads(),
             tp_size: hello.layout.tp_size,
         };
-        self.peers.insert(info.id, peer);
+        self.cx.peers.insert(info.id, peer);
     }
 
     fn peer_lost(&mut self, peer: PeerId, reason: &str, at: Instant) {
-        if let Some(Ok(agent)) = self.peers.remove(&peer).map(|p| p.agent) {
-            self.release_agent(&agent);
+        if let Some(Ok(agent)) = self.cx.peers.remove(&peer).map(|p| p.agent) {
+            self.sends.release_agent(&mut self.cx, &agent);
         }
-        self.purge_registrations(peer);
-        self.fence_receives(peer, reason, at);
+        send::purge_registrations(&mut self.cx, peer);
+        self.receives.fence_receives(peer, reason, at);
     }
 
     // ---- both: deadlines and the writer's end ---------------------------------------------
 
     fn check_deadlines(&mut self) {
-        let now = self.shared.now();
-        self.expire_sends(now);
-        self.check_receives(now);
+        let now = self.cx.shared.now();
+        send::expire_sends(&mut self.cx, now);
+        self.receives.check_receives(&mut self.cx, now);
     }
 
     /// The writer stopped for good: marks the endpoint unhealthy (new work is refused).
     pub(crate) fn mark_dead(&self, reason: String) {
-        let _ = self.shared.dead.set(reason);
+        let _ = self.cx.shared.dead.set(reason);
     }
 
     /// The writer's loop panicked: fail everything at once, as far as the fence allows. P's
@@ -380,31 +294,35 @@ impl<T: Transport> Writer<T> {
     /// P's horizon passes after the disconnect. Peers are disconnected so they stop waiting.
     pub(crate) fn die(&mut self, reason: String) {
         self.mark_dead(reason.clone());
-        let at = self.shared.now();
-        for peer in self.side_channel.peers() {
-            self.side_channel.disconnect(peer.id);
+        let at = self.cx.shared.now();
+        for peer in self.cx.side_channel.peers() {
+            self.cx.side_channel.disconnect(peer.id);
         }
-        self.fail_sends(&reason, at);
-        self.fail_receives(&reason, at);
+        self.sends.fail_sends(&mut self.cx, &reason, at);
+        self.receives.fail_receives(&mut self.cx, &reason, at);
         // Wait out the horizons (or a close), reporting each receive as its last horizon passes.
         while let Some(next) = self.receives.next_fence() {
-            let wait = next.saturating_duration_since(self.shared.now()).min(QUIET_POLL);
+            let wait = next.saturating_duration_since(self.cx.shared.now()).min(QUIET_POLL);
             match self.commands.recv_timeout(wait) {
                 Ok(Command::Stop) | Err(RecvTimeoutError::Disconnected) => break,
-                Ok(Command::Expect(expectation, _)) => {
-                    self.refuse_expectation(expectation, Reason::WriterDied, &reason)
-                }
+                Ok(Command::Expect(expectation, _)) => receive::refuse_expectation(
+                    &mut self.cx,
+                    expectation,
+                    Reason::WriterDied,
+                    &reason,
+                ),
                 Ok(_) | Err(RecvTimeoutError::Timeout) => {}
             }
-            self.pass_fences(self.shared.now());
+            let now = self.cx.shared.now();
+            self.receives.pass_fences(&mut self.cx, now);
         }
         self.shut_down();
     }
 
     pub(crate) fn shut_down(&mut self) {
         self.end_backlog();
-        self.drain_writes();
-        self.close_receives();
+        self.sends.drain_writes(&mut self.cx, BUSY_POLL);
+        self.receives.close_receives(&mut self.cx);
     }
 
     /// The commands still queued when the writer was stopped (a stop goes ahead of them): each
@@ -413,20 +331,21 @@ impl<T: Transport> Writer<T> {
     fn end_backlog(&mut self) {
         for command in self.commands.backlog() {
             match command {
-                Command::Expect(expectation, _) => self.refuse_expectation(
+                Command::Expect(expectation, _) => receive::refuse_expectation(
+                    &mut self.cx,
                     expectation,
                     Reason::Closed,
                     "the endpoint closed before registering it",
                 ),
-                Command::Write(m) => self.refuse_match(m, "the endpoint closed"),
-                Command::Fail { peer, fail } => self.send(peer, Message::Fail(fail)),
+                Command::Write(m) => send::refuse_match(&mut self.cx, m, "the endpoint closed"),
+                Command::Fail { peer, fail } => self.cx.send(peer, Message::Fail(fail)),
                 Command::AcknowledgeCancel { peer, cancel, released } => {
-                    self.acknowledge_cancel(peer, cancel, released);
+                    send::acknowledge_cancel(&mut self.cx, peer, cancel, released);
                 }
                 Command::AcknowledgeWhenWritten { peer, cancel } => {
-                    self.acknowledge_when_written(peer, cancel);
+                    self.sends.acknowledge_when_written(&mut self.cx, peer, cancel);
                 }
-                Command::ReportFanOut(base) => self.report_fanout(base),
+                Command::ReportFanOut(base) => send::report_fanout(&self.cx, base),
                 Command::PeerLost { peer, reason, at } => self.peer_lost(peer, &reason, at),
                 // Ended with every other receive, or without a request to end.
                 Command::CancelExpectation(_)

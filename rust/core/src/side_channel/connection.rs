@@ -545,7 +545,7 @@ fn serve_accepted(shared: &Shared, conn: &Connection) -> Option<String> {
     hello.agent_metadata = attach.agent_metadata;
     let info = PeerInfo { id: conn.id, addr: conn.addr, hello, inbound: true };
     if let Err(reason) = shared.handler.peer_joined(&info) {
-        let reply = Message::Error(error_reply("incompatible", &reason));
+        let reply = Message::Error(error_reply("incompatible", &reason.to_string()));
         conn.reply_and_close(
             &shared.encoder,
             &reply,

@@ -21,12 +21,14 @@
 //! use std::sync::Arc;
 //! use kvpush_core::layout::{KvLayout, TokenOrder};
 //! use kvpush_core::protocol::{Cancel, Hello, Message};
-//! use kvpush_core::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannel, SideChannelConfig};
+//! use kvpush_core::side_channel::{
+//!     ControlHandler, PeerId, PeerInfo, Refusal, SideChannel, SideChannelConfig,
+//! };
 //! use kvpush_core::transport::MemorySpace;
 //!
 //! struct Log;
 //! impl ControlHandler for Log {
-//!     fn peer_joined(&self, peer: &PeerInfo) -> Result<(), String> {
+//!     fn peer_joined(&self, peer: &PeerInfo) -> Result<(), Refusal> {
 //!         println!("{} joined from {}", peer.hello.engine_id, peer.addr);
 //!         Ok(())
 //!     }
@@ -243,6 +245,10 @@ pub struct PeerInfo {
     pub inbound: bool,
 }
 
+/// Why a [`ControlHandler`] refuses a peer or cannot serve: the handler's own error (the
+/// channel needs only its text, for the peer's `error` reply and the log).
+pub type Refusal = Box<dyn std::error::Error + Send + Sync>;
+
 /// What the side channel tells its owner (the rendezvous and writer on P, the request tracker
 /// on D).
 ///
@@ -253,13 +259,13 @@ pub struct PeerInfo {
 /// the peer's `peer_timeout` gets this side declared lost by the peer.
 pub trait ControlHandler: Send + Sync + 'static {
     /// A peer finished the handshake: its Hello arrived, speaks a common version and has our
-    /// compatibility hash. Return `Err(reason)` to refuse it (e.g. a layout the planner cannot
-    /// serve); the channel answers `error` (`incompatible`, with the reason) and closes.
+    /// compatibility hash. Return `Err` to refuse it (e.g. a layout the planner cannot serve);
+    /// the channel answers `error` (`incompatible`, with the refusal's text) and closes.
     ///
     /// The peer is listed by [`SideChannel::peers`] and usable with [`SideChannel::send`] right
     /// after this returns `Ok` (on the accepting side, as our Hello answers it); a send from
     /// inside this callback gets [`SideChannelError::UnknownPeer`].
-    fn peer_joined(&self, peer: &PeerInfo) -> Result<(), String>;
+    fn peer_joined(&self, peer: &PeerInfo) -> Result<(), Refusal>;
 
     /// A verified message from a joined peer. Never a `hello` or `done` (refused on the side
     /// channel) and never a `heartbeat` (the channel consumes those); `error` replies from the
@@ -281,10 +287,10 @@ pub trait ControlHandler: Send + Sync + 'static {
         let _ = (peer, error);
     }
 
-    /// Whether this side can still act on what peers send. While it answers `Err(reason)`, each
-    /// connection closes instead of sending its next heartbeat, so that peers stop waiting on a
-    /// worker that cannot serve them. `Ok` unless overridden.
-    fn healthy(&self) -> Result<(), String> {
+    /// Whether this side can still act on what peers send. While it answers `Err`, each
+    /// connection closes instead of sending its next heartbeat (giving the error's text), so
+    /// that peers stop waiting on a worker that cannot serve them. `Ok` unless overridden.
+    fn healthy(&self) -> Result<(), Refusal> {
         Ok(())
     }
 

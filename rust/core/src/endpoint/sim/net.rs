@@ -25,8 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::clock::Clock;
+use crate::endpoint::command::{Command, ConnectFailure};
 use crate::endpoint::link::Link;
-use crate::endpoint::writer::{Command, ConnectFailure};
 use crate::protocol::{Hello, Limits, Message, ProtocolError};
 use crate::side_channel::{ControlHandler, PeerId, PeerInfo, SideChannelError};
 use crate::sync::lock;
@@ -315,7 +315,8 @@ impl Lab {
         let info = PeerInfo { id: peer, addr, hello: d_hello, inbound: true };
         let arrive = self.now() + self.latency();
         let stage = match control.peer_joined(&info) {
-            Err(detail) => {
+            Err(refusal) => {
+                let detail = refusal.to_string();
                 self.log(format!("P refuses D's connection: {detail}"));
                 Stage::Rejected { arrive, detail }
             }
