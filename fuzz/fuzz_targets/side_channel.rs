@@ -706,6 +706,7 @@ enum Body {
         groups: Vec<GroupSpec>,
         num_tokens: u64,
         ttl_ms: u64,
+        nonce: u64,
     },
     CancelAck {
         key: Text,
@@ -724,6 +725,7 @@ enum Body {
         tp: (u8, u8),
         bytes: u64,
         runs: u32,
+        nonce: u64,
     },
     Heartbeat {
         engine: Text,
@@ -956,7 +958,17 @@ impl Run<'_> {
         // Unique per frame, so that a delivery twice is a replay, not a repeat.
         let request_id = format!("{marker}req-{uid}");
         match body {
-            Body::Register { key: k, epoch, engine, address, tp, groups, num_tokens, ttl_ms } => {
+            Body::Register {
+                key: k,
+                epoch,
+                engine,
+                address,
+                tp,
+                groups,
+                num_tokens,
+                ttl_ms,
+                nonce,
+            } => {
                 Message::Register(Register {
                     transfer_key: key(*k),
                     request_id,
@@ -978,6 +990,7 @@ impl Run<'_> {
                     num_tokens: *num_tokens,
                     ttl_ms: *ttl_ms,
                     fanout: 1,
+                    nonce: *nonce,
                 })
             }
             Body::Cancel { key: k, epoch } => {
@@ -1000,7 +1013,7 @@ impl Run<'_> {
                     .unwrap_or_else(|| FailReason::Unknown(format!("reason-{reason}"))),
                 detail: format!("{request_id}{}", text(*detail, "")),
             }),
-            Body::Done { key: k, epoch, tp, bytes, runs } => Message::Done(Done {
+            Body::Done { key: k, epoch, tp, bytes, runs, nonce } => Message::Done(Done {
                 transfer_key: key(*k),
                 request_id,
                 epoch: *epoch,
@@ -1008,6 +1021,7 @@ impl Run<'_> {
                 tp_size: u32::from(tp.1),
                 bytes: *bytes,
                 runs: *runs,
+                nonce: *nonce,
             }),
             Body::Heartbeat { engine, seq, pending, clock_ms, echo } => {
                 Message::Heartbeat(Heartbeat {
