@@ -968,31 +968,29 @@ impl Run<'_> {
                 num_tokens,
                 ttl_ms,
                 nonce,
-            } => {
-                Message::Register(Register {
-                    transfer_key: key(*k),
-                    request_id,
-                    epoch: *epoch,
-                    engine_id: format!("{marker}{}", text(*engine, "fuzz-d")),
-                    address: text(*address, "127.0.0.1:5600"),
-                    tp_rank: u32::from(tp.0),
-                    tp_size: u32::from(tp.1),
-                    groups: groups
-                        .iter()
-                        .take(4)
-                        .map(|g| BlockGroup {
-                            first_token: u64::from(g.first_token),
-                            block_ids: (0..u32::from(g.count % 8192))
-                                .map(|i| g.start.wrapping_add(i))
-                                .collect(),
-                        })
-                        .collect(),
-                    num_tokens: *num_tokens,
-                    ttl_ms: *ttl_ms,
-                    fanout: 1,
-                    nonce: *nonce,
-                })
-            }
+            } => Message::Register(Register {
+                transfer_key: key(*k),
+                request_id,
+                epoch: *epoch,
+                engine_id: format!("{marker}{}", text(*engine, "fuzz-d")),
+                address: text(*address, "127.0.0.1:5600"),
+                tp_rank: u32::from(tp.0),
+                tp_size: u32::from(tp.1),
+                groups: groups
+                    .iter()
+                    .take(4)
+                    .map(|g| BlockGroup {
+                        first_token: u64::from(g.first_token),
+                        block_ids: (0..u32::from(g.count % 8192))
+                            .map(|i| g.start.wrapping_add(i))
+                            .collect(),
+                    })
+                    .collect(),
+                num_tokens: *num_tokens,
+                ttl_ms: *ttl_ms,
+                fanout: 1,
+                nonce: *nonce,
+            }),
             Body::Cancel { key: k, epoch } => {
                 Message::Cancel(Cancel { transfer_key: key(*k), request_id, epoch: *epoch })
             }
