@@ -118,6 +118,8 @@ def test_options_are_checked_when_made_and_replace_checks_again() -> None:
         ({"write_timeout": float("nan")}, "write_timeout"),
         ({"pp_rank": 2, "pp_size": 2}, "pp_rank"),
         ({"bind": "not an address"}, "bind"),
+        ({"max_handshakes": 0}, "max_handshakes"),
+        ({"max_connections": 0}, "max_connections"),
     ]:
         with pytest.raises(ValueError, match=match):
             kvpush.EndpointOptions(**bad)  # type: ignore[arg-type]

@@ -266,6 +266,9 @@ class EndpointOptions:
         max_registrations_per_host: int = 16384,
         max_registration_bytes_per_host: int = 64 << 20,
         inbox_capacity: int = 16384,
+        max_connections: int = 256,
+        max_connections_per_host: int = 32,
+        max_handshakes: int = 16,
         delivery_bound: float | None = None,
         pp_rank: int = 0,
         pp_size: int = 1,
@@ -303,6 +306,14 @@ class EndpointOptions:
     def max_registration_bytes_per_host(self) -> int: ...
     @property
     def inbox_capacity(self) -> int: ...
+    @property
+    def max_connections(self) -> int:
+        """Most side-channel connections held at once (a P holds one per D rank)."""
+    @property
+    def max_connections_per_host(self) -> int: ...
+    @property
+    def max_handshakes(self) -> int:
+        """Most connections in their handshake at once; a D turned away tries again."""
     @property
     def delivery_bound(self) -> float | None: ...
     @property

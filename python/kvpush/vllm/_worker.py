@@ -157,6 +157,9 @@ class PushWorker:
                 write_timeout=self._config.write_timeout,
                 peer_timeout=self._config.peer_timeout,
                 heartbeat_interval=self._config.heartbeat_interval,
+                max_connections=self._config.max_connections,
+                max_connections_per_host=self._config.max_connections_per_host,
+                max_handshakes=self._config.max_handshakes,
                 compatibility=compatibility(self._config.model_fingerprint, cache),
             )
             self._endpoint = kvpush.Endpoint(

@@ -11,8 +11,10 @@ is proven both ways before any NIXL metadata moves; required to listen beyond lo
 logs this config at every start, and a command line is readable by every user of the host),
 ``kv_lease_duration`` (s P keeps finished KV for D, default 30), ``receive_timeout`` (s D waits
 for KV, default 120), ``write_timeout`` / ``peer_timeout`` / ``heartbeat_interval`` (s, defaults
-10 / 5 / 1: the write horizon, see docs/operations.md), ``transport`` (``nixl``, or ``loopback``
-for in-process tests).
+10 / 5 / 1: the write horizon, see docs/operations.md), ``max_connections`` /
+``max_connections_per_host`` / ``max_handshakes`` (the side channel's caps, defaults 256 / 32 /
+16: a P holds one connection per D rank it serves; a D turned away for want of a slot tries
+again while its receives wait), ``transport`` (``nixl``, or ``loopback`` for in-process tests).
 
 Environment only: ``KVPUSH_THREAD_CPUS`` (where the endpoint's native threads run,
 :func:`native_thread_cpus`) and ``KVPUSH_TIMELINE_DIR`` (per-transfer timelines,
@@ -69,6 +71,10 @@ class WorkerConfig:
     write_timeout: float = 10.0
     peer_timeout: float = 5.0
     heartbeat_interval: float = 1.0
+    #: The side channel's caps: connections, connections from one host, handshakes at once.
+    max_connections: int = 256
+    max_connections_per_host: int = 32
+    max_handshakes: int = 16
 
 
 #: The shared secret itself, or the path of a file that holds it.
@@ -148,6 +154,9 @@ def worker_config(vllm_config: VllmConfig) -> WorkerConfig:
         write_timeout=float(extra.get("write_timeout", 10.0)),
         peer_timeout=float(extra.get("peer_timeout", 5.0)),
         heartbeat_interval=float(extra.get("heartbeat_interval", 1.0)),
+        max_connections=int(extra.get("max_connections", 256)),
+        max_connections_per_host=int(extra.get("max_connections_per_host", 32)),
+        max_handshakes=int(extra.get("max_handshakes", 16)),
         receive_timeout=float(extra.get("receive_timeout", 120.0)),
         transport=str(extra.get("transport", "nixl")),
         model_fingerprint=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}",

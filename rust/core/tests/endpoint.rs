@@ -1253,3 +1253,62 @@ fn a_close_ends_the_requests_still_queued_for_the_writer_each_in_its_event() {
     assert_eq!(reason_of(&received[0]), Some(Reason::Closed));
     assert_eq!(p.pending(), 0, "nothing was registered with P");
 }
+
+#[test]
+fn a_d_that_a_full_p_turns_away_keeps_waiting_and_registers_once_a_slot_frees() {
+    // P holds one side-channel connection at most: the first D takes it, the second is turned
+    // away ("too_many_connections"). Nothing of the second's is registered, so its receive must
+    // not fail: it tries again until the first D's connection is gone, then gets its KV.
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let (d1_cache, d2_cache) = (Cache::new(16, |_| 0), Cache::new(16, |_| 0));
+    let p = p_cache.endpoint_with("ep-p-full", Fault::None, |c| c.max_connections = 1);
+    let d1 = d1_cache.endpoint("ep-d-first");
+    let d2 = d2_cache.endpoint("ep-d-second");
+    d1.expect(expectation(&p, "req-first", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    p.ready(ready("req-first", &[3, 4], 20)).unwrap();
+    assert!(events(&d1, 1).iter().all(|e| e.outcome == Outcome::Done));
+    assert!(events(&p, 1).iter().all(|e| e.outcome == Outcome::Done));
+
+    d2.expect(expectation(&p, "req-second", &[5, 6], 0, 20)).unwrap();
+    p.ready(ready("req-second", &[7, 8], 20)).unwrap();
+    // Turned away at once, and again on each retry: the receive goes on all the same.
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(d2.poll(), vec![], "D's receive ended while P was full");
+
+    drop(d1); // its connection, and P's slot, go with it
+    let received = events(&d2, 1);
+    assert!(
+        matches!(&received[..], [Event { outcome: Outcome::Done, .. }]),
+        "D did not get its KV once P had a slot again: {received:?}"
+    );
+    assert!(events(&p, 1).iter().all(|e| e.outcome == Outcome::Done));
+    drop((p, d2));
+    for region in 0..REGIONS {
+        for token in 0..20 {
+            let src = p_cache.offset(region, &[7, 8], 0, token);
+            let dst = d2_cache.offset(region, &[5, 6], 0, token);
+            let n = TOKEN_BYTES as usize;
+            assert_eq!(d2_cache.memory[dst..dst + n], p_cache.memory[src..src + n]);
+        }
+    }
+}
+
+#[test]
+fn a_d_that_a_full_p_turns_away_gives_up_when_its_receive_expires() {
+    let p_cache = Cache::new(16, |_| 7);
+    let (d1_cache, d2_cache) = (Cache::new(16, |_| 0), Cache::new(16, |_| 0));
+    let p = p_cache.endpoint_with("ep-p-full2", Fault::None, |c| c.max_connections = 1);
+    let d1 = d1_cache.endpoint("ep-d-holds");
+    let d2 = d2_cache.endpoint("ep-d-expires");
+    d1.expect(expectation(&p, "req-holds", &[1], 0, 10)).unwrap();
+    wait_for_registration(&p);
+    let mut e = expectation(&p, "req-expires", &[2], 0, 10);
+    e.ttl = Duration::from_millis(800);
+    d2.expect(e).unwrap();
+    let received = events(&d2, 1);
+    assert_eq!(received.len(), 1, "{received:?}");
+    assert_eq!(reason_of(&received[0]), Some(Reason::Expired), "{received:?}");
+    drop((p, d1, d2));
+    assert!(d2_cache.memory.iter().all(|&b| b == 0), "nothing was written");
+}

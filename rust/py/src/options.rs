@@ -88,6 +88,13 @@ pub(crate) struct EndpointOptions {
     max_registration_bytes_per_host: usize,
     #[pyo3(get)]
     inbox_capacity: usize,
+    /// Side-channel caps: connections held, from one host, and in their handshake at once.
+    #[pyo3(get)]
+    max_connections: usize,
+    #[pyo3(get)]
+    max_connections_per_host: usize,
+    #[pyo3(get)]
+    max_handshakes: usize,
     /// Seconds within which a byte NIXL accepted lands or never will; None: the transport's.
     #[pyo3(get)]
     delivery_bound: Option<f64>,
@@ -119,6 +126,9 @@ impl EndpointOptions {
         config.max_registrations_per_host = self.max_registrations_per_host;
         config.max_registration_bytes_per_host = self.max_registration_bytes_per_host;
         config.inbox_capacity = self.inbox_capacity;
+        config.max_connections = self.max_connections;
+        config.max_connections_per_host = self.max_connections_per_host;
+        config.max_handshakes = self.max_handshakes;
         config.delivery_bound = match (self.delivery_bound, self.transport) {
             (Some(given), _) => seconds(given, "delivery_bound")?,
             (None, TransportKind::Nixl) => kvpush_nixl::delivery_bound()
@@ -155,6 +165,9 @@ impl EndpointOptions {
         fields.set_item("max_registrations_per_host", self.max_registrations_per_host)?;
         fields.set_item("max_registration_bytes_per_host", self.max_registration_bytes_per_host)?;
         fields.set_item("inbox_capacity", self.inbox_capacity)?;
+        fields.set_item("max_connections", self.max_connections)?;
+        fields.set_item("max_connections_per_host", self.max_connections_per_host)?;
+        fields.set_item("max_handshakes", self.max_handshakes)?;
         fields.set_item("delivery_bound", self.delivery_bound)?;
         fields.set_item("pp_rank", self.pp_rank)?;
         fields.set_item("pp_size", self.pp_size)?;
@@ -171,7 +184,8 @@ impl EndpointOptions {
         compatibility = "", write_timeout = 10.0, heartbeat_interval = 1.0,
         peer_timeout = 5.0, connect_timeout = 3.0, insecure = false,
         max_registrations_per_host = 16_384, max_registration_bytes_per_host = 64 << 20,
-        inbox_capacity = 16_384, delivery_bound = None, pp_rank = 0, pp_size = 1
+        inbox_capacity = 16_384, max_connections = 256, max_connections_per_host = 32,
+        max_handshakes = 16, delivery_bound = None, pp_rank = 0, pp_size = 1
     ))]
     // An options object is where the many settings go, each a keyword with its default.
     #[allow(clippy::too_many_arguments)]
@@ -192,6 +206,9 @@ impl EndpointOptions {
         max_registrations_per_host: usize,
         max_registration_bytes_per_host: usize,
         inbox_capacity: usize,
+        max_connections: usize,
+        max_connections_per_host: usize,
+        max_handshakes: usize,
         delivery_bound: Option<f64>,
         pp_rank: u32,
         pp_size: u32,
@@ -211,6 +228,16 @@ impl EndpointOptions {
         }
         if let Some(bound) = delivery_bound {
             seconds(bound, "delivery_bound")?;
+        }
+        for (value, what) in [
+            (max_connections, "max_connections"),
+            (max_connections_per_host, "max_connections_per_host"),
+            (max_handshakes, "max_handshakes"),
+            (inbox_capacity, "inbox_capacity"),
+        ] {
+            if value == 0 {
+                return Err(PyValueError::new_err(format!("{what} must be at least 1")));
+            }
         }
         // A host name (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST defaults to "localhost") is resolved
         // here, once; the first address it resolves to is the one listened on.
@@ -236,6 +263,9 @@ impl EndpointOptions {
             max_registrations_per_host,
             max_registration_bytes_per_host,
             inbox_capacity,
+            max_connections,
+            max_connections_per_host,
+            max_handshakes,
             delivery_bound,
             pp_rank,
             pp_size,

@@ -7,7 +7,7 @@ use std::time::Instant;
 use crate::key::TransferKey;
 use crate::protocol::{Cancel, Fail, Message};
 use crate::rendezvous::Match;
-use crate::side_channel::{PeerId, PeerInfo, SideChannelError};
+use crate::side_channel::{PeerId, PeerInfo, SideChannelError, TOO_MANY_CONNECTIONS};
 
 use super::halves::{Ready, Registration};
 use super::Expectation;
@@ -50,6 +50,8 @@ pub(crate) struct ConnectFailure {
     /// Nothing listens at the address (its host refused the connection): an endpoint D lost
     /// there is gone.
     pub(crate) refused: bool,
+    /// P turned D away for want of a connection or handshake slot: try again later.
+    pub(crate) busy: bool,
 }
 
 impl ConnectFailure {
@@ -59,6 +61,15 @@ impl ConnectFailure {
             SideChannelError::Connect { source, .. }
                 if source.kind() == std::io::ErrorKind::ConnectionRefused
         );
-        Self { reason: error.to_string(), refused }
+        let busy = matches!(
+            error,
+            SideChannelError::Refused { code, .. } if code == TOO_MANY_CONNECTIONS
+        );
+        Self { reason: error.to_string(), refused, busy }
+    }
+
+    /// A failure that is neither of the above: D gives up on the source's waiting legs.
+    pub(crate) fn other(reason: String) -> Self {
+        Self { reason, refused: false, busy: false }
     }
 }

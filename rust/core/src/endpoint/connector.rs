@@ -78,7 +78,7 @@ impl Connector {
                 "{MAX_WAITING} P addresses already wait for a connect ({MAX_CONNECTS} run at \
                  once): is P's address right, and does it resolve quickly?"
             );
-            let result = Err(ConnectFailure { reason, refused: false });
+            let result = Err(ConnectFailure::other(reason));
             self.shared.send(Command::Connected { source, result });
         }
     }
@@ -126,7 +126,7 @@ impl Connector {
             }
             Err(error) => {
                 let reason = format!("cannot start a connect thread: {error}");
-                let result = Err(ConnectFailure { reason, refused: false });
+                let result = Err(ConnectFailure::other(reason));
                 self.shared.send(Command::Connected { source, result });
             }
         }

@@ -150,6 +150,15 @@ pub struct EndpointConfig {
     /// (after a wait of up to 100 ms). Cancels and aborts are taken up to twice this. Default
     /// 16,384 (a writer that far behind is stuck, not busy).
     pub inbox_capacity: usize,
+    /// Most side-channel connections held at once, handshakes included (a P holds one per D
+    /// rank that receives from it). Default 256; see `SideChannelConfig::max_connections`.
+    pub max_connections: usize,
+    /// Most side-channel connections from one IP address at once. Default 32.
+    pub max_connections_per_host: usize,
+    /// Most side-channel connections still in their handshake at once. Default 16. A D turned
+    /// away for want of a slot (all of them reconnecting to a restarted P) tries again, with a
+    /// growing pause, for as long as its receives wait.
+    pub max_handshakes: usize,
     /// What control frames and notifications may be: sizes, and the clock skew signed frames
     /// may show (`Limits::default()`).
     pub limits: Limits,
@@ -177,6 +186,9 @@ impl EndpointConfig {
             max_registrations_per_host: 16_384,
             max_registration_bytes_per_host: 64 << 20,
             inbox_capacity: 16_384,
+            max_connections: 256,
+            max_connections_per_host: 32,
+            max_handshakes: 16,
             limits: Limits::default(),
         }
     }
@@ -574,6 +586,9 @@ impl Endpoint {
             side_config.peer_timeout = config.peer_timeout;
             side_config.connect_timeout = config.connect_timeout;
             side_config.allow_insecure = config.allow_insecure;
+            side_config.max_connections = config.max_connections;
+            side_config.max_connections_per_host = config.max_connections_per_host;
+            side_config.max_handshakes = config.max_handshakes;
             side_config.limits = config.limits;
             let side_channel =
                 Arc::new(SideChannel::start(side_config, hello, control).map_err(|source| {

@@ -88,6 +88,9 @@ pub(super) struct Receives {
     /// P addresses D must ask again (some lost leg of theirs waits for evidence), with when the
     /// next attempt to connect is due and the wait after it.
     retries: HashMap<String, Retry>,
+    /// P addresses that turned D away for want of a slot while legs waited to register there,
+    /// with when to connect again.
+    busy: HashMap<String, Retry>,
 }
 
 /// When D tries again to reach a lost P.
@@ -97,9 +100,21 @@ struct Retry {
     backoff: Duration,
 }
 
-/// The first wait between attempts to reach a lost P, and the longest.
+/// The first wait between attempts to reach a lost (or full) P, and the longest.
 const RETRY_FIRST: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// `backoff` plus up to half of it again, by this endpoint's agent `name`: the D peers a full P
+/// turned away come back spread out rather than all at once. Deterministic, for the
+/// simulation's replays.
+fn spread(backoff: Duration, name: &str) -> Duration {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    name.hash(&mut hasher);
+    // Truncating is intended: 0..512 of the hash.
+    let share = (hasher.finish() % 512) as u32;
+    backoff + backoff * share / 1024
+}
 
 impl std::fmt::Debug for Receives {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -120,6 +135,7 @@ impl Receives {
             decoder: Decoder::new(secret, limits),
             received: Vec::new(),
             retries: HashMap::new(),
+            busy: HashMap::new(),
         }
     }
 
@@ -253,10 +269,9 @@ impl Receives {
         let result = match result {
             // The connection was lost before its result came here (its `PeerLost` was handled
             // first): it is not a source to register with, now or later.
-            Ok(info) if !cx.peers.contains_key(&info.id) => Err(ConnectFailure {
-                reason: "the connection closed right after its handshake".to_owned(),
-                refused: false,
-            }),
+            Ok(info) if !cx.peers.contains_key(&info.id) => Err(ConnectFailure::other(
+                "the connection closed right after its handshake".to_owned(),
+            )),
             result => result,
         };
         let waiting: Vec<(String, usize)> = self
@@ -273,7 +288,19 @@ impl Receives {
             })
             .collect();
         match result {
+            Err(failure) if failure.busy && !waiting.is_empty() => {
+                // P is full for now (a restarted P that all its D peers reconnect to at once):
+                // nothing was registered, so the legs keep waiting, still connecting, and D
+                // tries again for as long as they do (their TTL ends them).
+                self.sources.remove(&source);
+                let now = cx.shared.now();
+                let retry =
+                    self.busy.entry(source).or_insert(Retry { next: now, backoff: RETRY_FIRST });
+                retry.next = now + spread(retry.backoff, cx.transport.name());
+                retry.backoff = (retry.backoff * 2).min(RETRY_MAX);
+            }
             Ok(info) => {
+                self.busy.remove(&source);
                 self.sources.insert(source.clone(), Source::Connected(info.id));
                 for (request_id, leg) in waiting {
                     self.register_with(cx, info.id, &request_id, leg);
@@ -758,6 +785,35 @@ impl Receives {
             cx.side_channel.disconnect(peer);
         }
         self.settle_lost(cx, now);
+        self.retry_busy(cx, now);
+    }
+
+    /// Connects again to each P that was full when legs waited to register there, once its
+    /// pause is over and while some leg still waits; forgets the others.
+    fn retry_busy<T: Transport>(&mut self, cx: &mut Context<T>, now: Instant) {
+        if self.busy.is_empty() {
+            return;
+        }
+        let awaited = &self.awaited;
+        let waits = |source: &str| {
+            awaited.values().any(|a| {
+                a.legs
+                    .iter()
+                    .any(|leg| matches!(leg.state, LegState::Connecting) && leg.source == source)
+            })
+        };
+        self.busy.retain(|source, _| waits(source));
+        let mut due: Vec<String> = self
+            .busy
+            .iter()
+            .filter(|(source, retry)| retry.next <= now && !self.sources.contains_key(*source))
+            .map(|(source, _)| source.clone())
+            .collect();
+        due.sort();
+        for source in due {
+            self.sources.insert(source.clone(), Source::Connecting);
+            self.request_connect(cx, source);
+        }
     }
 
     /// Reports, once, that `request_id`'s receive holds its blocks without evidence that a lost

@@ -116,6 +116,11 @@ const JOIN_POLL: Duration = Duration::from_millis(2);
 /// starting another thread behind a resolver that hangs.
 const MAX_LOOKUPS: usize = 16;
 
+/// The `error` code of a side channel that turns a connection away for want of a slot
+/// ([`SideChannelConfig::max_connections`], `max_connections_per_host`, `max_handshakes`): the
+/// peer may try again later.
+pub const TOO_MANY_CONNECTIONS: &str = "too_many_connections";
+
 /// How a [`SideChannel`] listens, identifies itself, authenticates and judges liveness.
 #[derive(Debug, Clone)]
 pub struct SideChannelConfig {
@@ -826,8 +831,7 @@ impl Shared {
                     "this side channel already holds {max} connections; retry later, or raise \
                      max_connections on this worker"
                 );
-                let reply =
-                    Message::Error(connection::error_reply("too_many_connections", &detail));
+                let reply = Message::Error(connection::error_reply(TOO_MANY_CONNECTIONS, &detail));
                 conn.reply_and_close(&self.encoder, &reply, detail);
             }
             Err(error) => conn.close(error.to_string()),
