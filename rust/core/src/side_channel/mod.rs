@@ -387,11 +387,14 @@ pub enum SideChannelError {
     },
     /// This side already holds `max` connections.
     #[error(
-        "side channel already holds {max} connections: disconnect idle peers or raise \
-         max_connections"
+        "side channel already holds {max} connections ({cap}): disconnect idle peers or raise \
+         {cap}"
     )]
     TooManyConnections {
-        /// [`SideChannelConfig::max_connections`].
+        /// The cap: [`SideChannelConfig::max_connections`], `max_connections_per_host` or
+        /// `max_handshakes` (connections still in their handshake).
+        cap: &'static str,
+        /// Its value.
         max: usize,
     },
     /// The side channel was closed.
@@ -738,7 +741,10 @@ impl Shared {
             return Err(SideChannelError::Closed);
         }
         if registry.connections.len() >= self.config.max_connections {
-            return Err(SideChannelError::TooManyConnections { max: self.config.max_connections });
+            return Err(SideChannelError::TooManyConnections {
+                cap: "max_connections",
+                max: self.config.max_connections,
+            });
         }
         Ok(())
     }
@@ -776,19 +782,24 @@ impl Shared {
             return Err(SideChannelError::Closed);
         }
         if registry.connections.len() >= self.config.max_connections {
-            return Err(SideChannelError::TooManyConnections { max: self.config.max_connections });
+            return Err(SideChannelError::TooManyConnections {
+                cap: "max_connections",
+                max: self.config.max_connections,
+            });
         }
         if matches!(start, Start::Accepted) {
             let from_host =
                 registry.connections.values().filter(|c| c.addr.ip() == conn.addr.ip()).count();
             if from_host >= self.config.max_connections_per_host {
                 return Err(SideChannelError::TooManyConnections {
+                    cap: "max_connections_per_host",
                     max: self.config.max_connections_per_host,
                 });
             }
             let handshaking = registry.connections.values().filter(|c| c.info().is_none()).count();
             if handshaking >= self.config.max_handshakes {
                 return Err(SideChannelError::TooManyConnections {
+                    cap: "max_handshakes",
                     max: self.config.max_handshakes,
                 });
             }
@@ -826,10 +837,10 @@ impl Shared {
         let conn = Arc::new(Connection::new(self.next_id(), addr, socket));
         match self.adopt(&conn, Start::Accepted) {
             Ok(()) => {}
-            Err(SideChannelError::TooManyConnections { max }) => {
+            Err(SideChannelError::TooManyConnections { cap, max }) => {
                 let detail = format!(
-                    "this side channel already holds {max} connections; retry later, or raise \
-                     max_connections on this worker"
+                    "this side channel already holds {max} connections ({cap}); retry later, or \
+                     raise {cap} on this worker"
                 );
                 let reply = Message::Error(connection::error_reply(TOO_MANY_CONNECTIONS, &detail));
                 conn.reply_and_close(&self.encoder, &reply, detail);
