@@ -38,6 +38,8 @@ pub mod messages;
 mod replay;
 
 pub use auth::Secret;
+// Used by the side channel and the endpoint, which the loom build leaves out.
+#[cfg(not(loom))]
 pub(crate) use codec::fresh_session;
 pub use codec::{frame_len, unix_millis, Decoder, Encoder, Envelope, PREFIX_LEN};
 pub use error::{ProtocolError, MAX_REPLY_DETAIL_BYTES};
