@@ -454,7 +454,12 @@ impl BlockTables {
             layout
                 .regions
                 .iter()
-                .map(|r| BlockArray { base: r.base, stride: r.block_stride, len, count: r.num_blocks })
+                .map(|r| BlockArray {
+                    base: r.base,
+                    stride: r.block_stride,
+                    len,
+                    count: r.num_blocks,
+                })
                 .collect()
         };
         let (src, dst) = (table(src), table(dst));

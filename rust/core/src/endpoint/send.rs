@@ -32,9 +32,7 @@ use crate::protocol::{Cancel, CancelAck, Done, Encoder, FailReason, Hello, Messa
 use crate::rendezvous::{FenceReason, Match, Outcome as TableOutcome, RendezvousError};
 use crate::side_channel::PeerId;
 use crate::sync::lock;
-use crate::transport::{
-    BlockWrite, MemorySpace, Transport, TransportError, WriteId, WriteState,
-};
+use crate::transport::{BlockWrite, MemorySpace, Transport, TransportError, WriteId, WriteState};
 
 use super::agents::{self, UnusableAgent};
 use super::context::Context;
@@ -346,8 +344,8 @@ impl Sends {
             None => cx.transport.post_write(agent, &plan.runs, self.memory, remote, &notification),
         };
         let write = posted.map_err(|e| {
-                (FailReason::WriteError, Reason::WriteError, format!("transfer {key}: {e}"))
-            })?;
+            (FailReason::WriteError, Reason::WriteError, format!("transfer {key}: {e}"))
+        })?;
         // The horizon's margin covers the moments between the check and the post; a process
         // stopped right there for longer (SIGSTOP, a VM pause) posted outside it. Nothing can
         // recall a posted WRITE: count it, so that an operator sees the fence was at risk.
