@@ -460,7 +460,9 @@ impl Transport for NixlTransport {
     /// From descriptor lists prepared once per local block table and once per (peer, remote
     /// block table), with one descriptor per block: the request is `make_xfer_req` on the
     /// indices (NIXL merges neighbours contiguous on both sides), with no descriptor built. A
-    /// table NIXL will not prepare, and a write of no blocks, go the `post_write` way.
+    /// table NIXL will not prepare, a write of no blocks, and a write whose runs are fewer than
+    /// half its blocks (mostly contiguous: its runs are cheaper to pass than its indices, see
+    /// `benches/post_write.rs`) go the `post_write` way.
     fn post_block_write(
         &mut self,
         peer: &str,
@@ -470,7 +472,10 @@ impl Transport for NixlTransport {
         notification: &[u8],
     ) -> Result<WriteId, TransportError> {
         const OP: &str = "post_write";
-        if write.src.is_empty() || write.src.len() != write.dst.len() {
+        if write.src.is_empty()
+            || write.src.len() != write.dst.len()
+            || write.runs.len().saturating_mul(2) <= write.src.len()
+        {
             return self.post_write(peer, write.runs, local, remote, notification);
         }
         let id = WriteId(self.next_write);
