@@ -28,6 +28,7 @@ use std::ops::Range;
 use thiserror::Error;
 
 use crate::layout::{KvLayout, LayoutError, TokenOrder};
+use crate::transport::BlockArray;
 
 /// Which of the two workers a value describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -422,6 +423,87 @@ pub struct Planner {
     src_first_head: u64,
     /// Index of the first shared head among D's local heads.
     dst_first_head: u64,
+    /// Both sides' kernel blocks as block tables, when the layouts match block for block.
+    blocks: Option<BlockTables>,
+}
+
+/// P's and D's kernel blocks as [`BlockArray`] tables, one array per region, in layout order.
+#[derive(Debug, Clone)]
+struct BlockTables {
+    src: Vec<BlockArray>,
+    dst: Vec<BlockArray>,
+    /// Per region: the table index of its kernel block 0, on P and on D.
+    first: Vec<(u32, u32)>,
+}
+
+impl BlockTables {
+    /// The tables, when every kernel block P writes is one whole kernel block of D's: same kernel
+    /// block size, and both ranks hold exactly the heads they share (no head slicing). `None`
+    /// otherwise, or when a table would hold more than `u32::MAX` blocks.
+    fn new(src: &KvLayout, dst: &KvLayout, shared_heads: &Range<u64>) -> Option<Self> {
+        let shared = shared_heads.end - shared_heads.start;
+        let block_for_block = shared > 0
+            && src.kernel_block_tokens == dst.kernel_block_tokens
+            && shared == u64::from(src.heads)
+            && shared == u64::from(dst.heads);
+        if !block_for_block {
+            return None;
+        }
+        let table = |layout: &KvLayout| -> Vec<BlockArray> {
+            let len = layout.kernel_block_bytes();
+            layout
+                .regions
+                .iter()
+                .map(|r| BlockArray {
+                    base: r.base,
+                    stride: r.block_stride,
+                    len,
+                    count: r.num_blocks,
+                })
+                .collect()
+        };
+        let (src, dst) = (table(src), table(dst));
+        let mut first = Vec::with_capacity(src.len());
+        let (mut s, mut d) = (0u32, 0u32);
+        for (src_array, dst_array) in src.iter().zip(&dst) {
+            first.push((s, d));
+            s = s.checked_add(src_array.count)?;
+            d = d.checked_add(dst_array.count)?;
+        }
+        Some(Self { src, dst, first })
+    }
+}
+
+/// One request's WRITE as block indices into the planner's [`Planner::block_tables`], filled by
+/// [`Planner::block_indices_into`]; reused across requests so that filling it does not allocate
+/// once it has grown.
+#[derive(Debug, Clone, Default)]
+pub struct BlockIndices {
+    src: Vec<u32>,
+    dst: Vec<u32>,
+    /// Per group, the (P, D) kernel block pairs written, in token order.
+    pairs: Vec<(u32, u32)>,
+    /// Per group, its range of `pairs`.
+    groups: Vec<Range<usize>>,
+}
+
+impl BlockIndices {
+    /// Indices into P's table, one per block written, regions outside and tokens inside.
+    pub fn src(&self) -> &[u32] {
+        &self.src
+    }
+
+    /// Indices into D's table, pairwise with [`BlockIndices::src`].
+    pub fn dst(&self) -> &[u32] {
+        &self.dst
+    }
+
+    fn clear(&mut self) {
+        self.src.clear();
+        self.dst.clear();
+        self.pairs.clear();
+        self.groups.clear();
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -495,10 +577,12 @@ impl Planner {
                 limit.dst = limit.dst.min(dst.logical_blocks(d));
             }
         }
+        let shared_heads = first..end;
         Ok(Self {
+            blocks: BlockTables::new(&src, &dst, &shared_heads),
             src_first_head: first - src_heads.start,
             dst_first_head: first - dst_heads.start,
-            shared_heads: first..end,
+            shared_heads,
             src,
             dst,
             regions,
@@ -524,6 +608,63 @@ impl Planner {
     /// D's layout.
     pub fn dst(&self) -> &KvLayout {
         &self.dst
+    }
+
+    /// P's and D's kernel blocks as block tables (one [`BlockArray`] per region, in layout
+    /// order), when the layouts match block for block: the same kernel block size, and both
+    /// ranks hold exactly the heads they share. Requests whose tokens end on a kernel block
+    /// boundary then write whole blocks (see [`Planner::block_indices_into`]).
+    pub fn block_tables(&self) -> Option<(&[BlockArray], &[BlockArray])> {
+        self.blocks.as_ref().map(|t| (t.src.as_slice(), t.dst.as_slice()))
+    }
+
+    /// Fills `out` with `req`'s WRITE as pairs of indices into [`Planner::block_tables`] and
+    /// returns `true`, when the layouts match block for block and `req`'s tokens end on a kernel
+    /// block boundary; else empties `out` and returns `false` (a partial last block is written
+    /// token by token, so only its runs describe it).
+    ///
+    /// The blocks the pairs name, copied in order, are exactly the bytes of `req`'s runs. Call it
+    /// only for a request [`Planner::plan`] accepted: it relies on that validation.
+    pub fn block_indices_into(&self, req: &PlanRequest<'_>, out: &mut BlockIndices) -> bool {
+        out.clear();
+        if self.fill_block_indices(req, out).is_none() {
+            out.clear();
+            return false;
+        }
+        true
+    }
+
+    fn fill_block_indices(&self, req: &PlanRequest<'_>, out: &mut BlockIndices) -> Option<()> {
+        let tables = self.blocks.as_ref()?;
+        let kernel = u64::from(self.src.kernel_block_tokens);
+        if req.num_tokens % kernel != 0 || req.src.len() != self.limits.len() {
+            return None;
+        }
+        for (src, dst) in req.src.iter().zip(req.dst) {
+            let start = out.pairs.len();
+            // D's first token starts one of its logical blocks, hence a kernel block on both
+            // sides (the kernel block sizes are equal).
+            let mut token = dst.first_token;
+            while token < req.num_tokens {
+                let (src_kernel, 0) = locate(&self.src, src, token)? else { return None };
+                let (dst_kernel, 0) = locate(&self.dst, dst, token)? else { return None };
+                out.pairs.push((u32::try_from(src_kernel).ok()?, u32::try_from(dst_kernel).ok()?));
+                token += kernel;
+            }
+            out.groups.push(start..out.pairs.len());
+        }
+        let per_region = |r: &RegionPair| out.groups.get(r.group).map_or(0, |g| g.len());
+        let total: usize = self.regions.iter().map(per_region).sum();
+        out.src.reserve(total);
+        out.dst.reserve(total);
+        for (region, &(src_first, dst_first)) in self.regions.iter().zip(&tables.first) {
+            let pairs = out.groups.get(region.group).and_then(|g| out.pairs.get(g.clone()))?;
+            // No overflow: validated ids address kernel blocks inside the region, and the
+            // table's size fits in u32 (`BlockTables::new`).
+            out.src.extend(pairs.iter().map(|&(s, _)| src_first + s));
+            out.dst.extend(pairs.iter().map(|&(_, d)| dst_first + d));
+        }
+        Some(())
     }
 
     /// Validates `req` and returns its runs.

@@ -55,6 +55,42 @@ pub struct MemoryRegion {
     pub space: MemorySpace,
 }
 
+/// One region's kernel blocks as a transport may describe them once and for all: `count`
+/// blocks, block `k` being the `len` bytes at `base + k * stride`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockArray {
+    /// Address of block 0.
+    pub base: u64,
+    /// Bytes from one block to the next (at least `len`).
+    pub stride: u64,
+    /// Bytes of one block.
+    pub len: u64,
+    /// Blocks in the array.
+    pub count: u32,
+}
+
+/// A WRITE whose runs are whole blocks, also given as block indices (see
+/// [`Transport::post_block_write`]).
+///
+/// Each side's arrays form one table whose blocks are numbered array by array: block `k` of
+/// array `a` is index `count(arrays before a) + k`. `src[i]` and `dst[i]` are the `i`-th block
+/// pair written, and the blocks the pairs name, copied in order, are exactly the bytes of `runs`.
+/// The tables are fixed for the life of a (P layout, D layout) pair, so a transport can prepare
+/// them once and afterwards pass only indices.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockWrite<'a> {
+    /// The same WRITE as runs, for transports that do not use the indices.
+    pub runs: &'a [DescriptorRun],
+    /// The local (P) block table.
+    pub src_blocks: &'a [BlockArray],
+    /// The remote (D) block table.
+    pub dst_blocks: &'a [BlockArray],
+    /// Indices into the local table, one per block written.
+    pub src: &'a [u32],
+    /// Indices into the remote table, as many as `src`; every pair has equal block lengths.
+    pub dst: &'a [u32],
+}
+
 /// A posted write, as its transport names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WriteId(pub u64);
@@ -151,6 +187,22 @@ pub trait Transport: Send {
         remote: MemorySpace,
         notification: &[u8],
     ) -> Result<WriteId, TransportError>;
+
+    /// Posts `write`, a WRITE of whole blocks, exactly as [`Transport::post_write`] posts its
+    /// runs: same bytes, same notification, same errors.
+    ///
+    /// A transport that can describe each side's block table once (NIXL's prepared descriptor
+    /// lists) builds the request from the indices; the default posts the runs.
+    fn post_block_write(
+        &mut self,
+        peer: &str,
+        write: &BlockWrite<'_>,
+        local: MemorySpace,
+        remote: MemorySpace,
+        notification: &[u8],
+    ) -> Result<WriteId, TransportError> {
+        self.post_write(peer, write.runs, local, remote, notification)
+    }
 
     /// Where `write` stands. After `Done` or an error the write is released and its id is void.
     fn poll_write(&mut self, write: WriteId) -> Result<WriteState, TransportError>;

@@ -8,7 +8,10 @@
 use std::time::Instant;
 
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
-use kvpush_core::planner::{BlockList, DescriptorRun, Plan, PlanError, PlanRequest, Planner, Side};
+use kvpush_core::planner::{
+    BlockIndices, BlockList, DescriptorRun, Plan, PlanError, PlanRequest, Planner, Side,
+};
+use kvpush_core::transport::BlockArray;
 use proptest::prelude::*;
 
 /// D's bytes that no run should write.
@@ -140,6 +143,41 @@ fn apply(runs: &[DescriptorRun], src_mem: &[u8], dst_mem: &mut [u8]) {
         let (src, dst, len) = (run.src as usize, run.dst as usize, run.len as usize);
         dst_mem[dst..dst + len].copy_from_slice(&src_mem[src..src + len]);
     }
+}
+
+/// The block pairs of a block form, as runs: block `k` of array `a` is `a`'s `k`-th block.
+fn block_runs(tables: (&[BlockArray], &[BlockArray]), blocks: &BlockIndices) -> Vec<DescriptorRun> {
+    let at = |table: &[BlockArray], mut index: u32| -> (u64, u64) {
+        for array in table {
+            if index < array.count {
+                return (array.base + u64::from(index) * array.stride, array.len);
+            }
+            index -= array.count;
+        }
+        panic!("index past the table's end");
+    };
+    assert_eq!(blocks.src().len(), blocks.dst().len());
+    blocks
+        .src()
+        .iter()
+        .zip(blocks.dst())
+        .map(|(&s, &d)| {
+            let ((src, src_len), (dst, dst_len)) = (at(tables.0, s), at(tables.1, d));
+            assert_eq!(src_len, dst_len, "a block pair of unequal lengths");
+            DescriptorRun { src, dst, len: src_len }
+        })
+        .collect()
+}
+
+/// Whether `case`'s layouts match block for block and its tokens end on a kernel block boundary:
+/// written out here, apart from the planner.
+fn whole_blocks(case: &Case) -> bool {
+    let shared = case.shared_heads().end - case.shared_heads().start;
+    shared > 0
+        && case.src.kernel_block_tokens == case.dst.kernel_block_tokens
+        && shared == u64::from(case.src.heads)
+        && shared == u64::from(case.dst.heads)
+        && case.num_tokens % u64::from(case.src.kernel_block_tokens) == 0
 }
 
 /// Index of the first byte where two buffers differ.
@@ -399,6 +437,28 @@ proptest! {
         prop_assert_eq!(first_difference(&planned, &naive), None);
     }
 
+    /// A request the planner gives as block indices is exactly the one that writes whole blocks
+    /// of block-for-block layouts, and its blocks, copied, write exactly the plan's bytes.
+    #[test]
+    fn block_indices_write_the_plan_s_bytes(case in case()) {
+        let planner = case.planner();
+        let plan = case.plan().expect("a valid request plans");
+        let mut blocks = BlockIndices::default();
+        let given = case.with_request(|req| planner.block_indices_into(req, &mut blocks));
+        prop_assert_eq!(given, whole_blocks(&case));
+        if given {
+            let tables = planner.block_tables().expect("tables come with indices");
+            let (src_mem, dst_init) = case.buffers();
+            let mut planned = dst_init.clone();
+            apply(&plan.runs, &src_mem, &mut planned);
+            let mut by_block = dst_init;
+            apply(&block_runs(tables, &blocks), &src_mem, &mut by_block);
+            prop_assert_eq!(first_difference(&planned, &by_block), None);
+        } else {
+            prop_assert!(blocks.src().is_empty() && blocks.dst().is_empty());
+        }
+    }
+
     /// Runs are disjoint on D, maximal (no two neighbours continue each other on both sides),
     /// and add up to exactly the request's tokens x shared heads x head bytes x regions.
     #[test]
@@ -579,6 +639,31 @@ fn consecutive_blocks_and_regions_merge_into_one_run() {
     let d = simple_layout(&[(100, 8, 4), (132, 8, 4)], 4, 4, 2, 1, NHD, (0, 1));
     let case = one_group(p, d, 16, (0, &[0, 1, 2, 3]), (0, &[0, 1, 2, 3]));
     assert_eq!(checked_runs(&case), [(0, 100, 64)]);
+}
+
+#[test]
+fn whole_blocks_of_matching_layouts_are_given_as_block_indices() {
+    // Two regions of 4 blocks (2 tokens of 2 one-byte heads); D's blocks padded to 6 bytes.
+    let p = simple_layout(&[(0, 4, 4), (16, 4, 4)], 2, 2, 2, 1, NHD, (0, 1));
+    let d = simple_layout(&[(100, 6, 4), (124, 6, 4)], 2, 2, 2, 1, NHD, (0, 1));
+    let case = one_group(p.clone(), d.clone(), 6, (0, &[3, 0, 2]), (2, &[1, 3]));
+    let planner = case.planner();
+    let (src, dst) = planner.block_tables().expect("the layouts match block for block");
+    assert_eq!(src[1], BlockArray { base: 16, stride: 4, len: 4, count: 4 });
+    assert_eq!(dst[1], BlockArray { base: 124, stride: 6, len: 4, count: 4 });
+    let mut blocks = BlockIndices::default();
+    assert!(case.with_request(|req| planner.block_indices_into(req, &mut blocks)));
+    // D's tokens 2..6: P blocks 0 and 2 into D blocks 1 and 3, region by region.
+    assert_eq!(blocks.src(), [0, 2, 4, 6]);
+    assert_eq!(blocks.dst(), [1, 3, 5, 7]);
+    checked_runs(&case);
+    // A partial last block is written token by token: runs only.
+    let partial = one_group(p.clone(), d, 5, (0, &[3, 0, 2]), (2, &[1, 3]));
+    assert!(!partial.with_request(|req| planner.block_indices_into(req, &mut blocks)));
+    assert!(blocks.src().is_empty());
+    // Different kernel block sizes: no tables at all.
+    let d16 = simple_layout(&[(100, 8, 4), (132, 8, 4)], 4, 4, 2, 1, NHD, (0, 1));
+    assert!(Planner::new(p, d16).expect("compatible").block_tables().is_none());
 }
 
 #[test]

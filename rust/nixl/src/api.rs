@@ -13,7 +13,11 @@
 //! * [`AgentConfig`]'s layout is the ABI-fragile part: 40 bytes, fields at 0/1/4/8/12/16/24/32
 //!   (asserted below);
 //! * `nixl_capi_create_xfer_dlist` and `nixl_capi_create_reg_dlist` take two arguments (older
-//!   trees had a third, `sorted`).
+//!   trees had a third, `sorted`);
+//! * the prepared-list calls (`prep_xfer_dlist`, `make_xfer_req`, `release_xfer_dlist_handle`)
+//!   are declared as in `wrapper.h` of the 1.4.0 tree and of the tree after 1.5.0 (unchanged
+//!   between them); indices are C `int`s, and `release_xfer_dlist_handle` frees the handle's
+//!   wrapper too (1.5.1's machine code calls `operator delete` after `releasedDlistH`).
 //!
 //! The C API has no version call: the NIXL version is the wheel's, read by Python from the
 //! `nixl_cuXX` dist-info.
@@ -102,6 +106,7 @@ opaque!(
     OptArgsS,
     ParamIterS,
     XferDlistS,
+    XferDlistHandleS,
     RegDlistS,
     XferReqS,
     NotifMapS,
@@ -115,6 +120,7 @@ pub(crate) type BackendH = *mut BackendS;
 pub(crate) type OptArgsH = *mut OptArgsS;
 pub(crate) type ParamIterH = *mut ParamIterS;
 pub(crate) type XferDlistH = *mut XferDlistS;
+pub(crate) type XferDlistHandleH = *mut XferDlistHandleS;
 pub(crate) type RegDlistH = *mut RegDlistS;
 pub(crate) type XferReqH = *mut XferReqS;
 pub(crate) type NotifMapH = *mut NotifMapS;
@@ -189,6 +195,12 @@ capi! {
     opt_args_set_has_notif: fn(OptArgsH, bool) -> c_int;
     destroy_opt_args: fn(OptArgsH) -> c_int;
     create_xfer_req: fn(AgentH, c_int, XferDlistH, XferDlistH, *const c_char, *mut XferReqH, OptArgsH) -> c_int;
+    prep_xfer_dlist: fn(AgentH, *const c_char, XferDlistH, *mut XferDlistHandleH, OptArgsH) -> c_int;
+    release_xfer_dlist_handle: fn(AgentH, XferDlistHandleH) -> c_int;
+    make_xfer_req: fn(
+        AgentH, c_int, XferDlistHandleH, *const c_int, usize, XferDlistHandleH, *const c_int, usize,
+        *mut XferReqH, OptArgsH,
+    ) -> c_int;
     post_xfer_req: fn(AgentH, XferReqH, OptArgsH) -> c_int;
     get_xfer_status: fn(AgentH, XferReqH) -> c_int;
     release_xfer_req: fn(AgentH, XferReqH) -> c_int;

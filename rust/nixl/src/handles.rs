@@ -14,6 +14,12 @@
 //!   leaves the backend in place;
 //! * `create_xfer_req` copies the descriptor lists and the notification into the request, so
 //!   both lists and the opt args may be reused or freed as soon as it returns;
+//! * `prep_xfer_dlist` resolves a descriptor list's registrations once (for a peer, against the
+//!   metadata loaded for it) into a handle the agent owns until `release_xfer_dlist_handle`,
+//!   which also frees the handle's wrapper; the list itself may be freed as soon as it returns.
+//!   `make_xfer_req` copies the descriptors the indices name (merging neighbours) and the
+//!   notification into the request, so a prepared list may be released while requests made
+//!   from it are in flight;
 //! * `release_xfer_req` fails (and keeps the request) when the request is still in progress and
 //!   the backend cannot cancel it; `destroy_xfer_req` refuses an unreleased request.
 
@@ -25,8 +31,8 @@ use std::sync::Arc;
 use kvpush_core::transport::{MemoryKind, MemorySpace, Notification};
 
 use crate::api::{
-    self, AgentS, Api, NotifMapS, OptArgsS, ParamsS, RegDlistS, XferDlistS, XferReqS, MEM_DRAM,
-    MEM_VRAM, XFER_OP_WRITE,
+    self, AgentS, Api, NotifMapS, OptArgsS, ParamsS, RegDlistS, XferDlistHandleS, XferDlistS,
+    XferReqS, MEM_DRAM, MEM_VRAM, XFER_OP_WRITE,
 };
 use crate::error::{check, NixlError, Status};
 
@@ -305,6 +311,93 @@ impl AgentCore {
         Ok(XferRequest { agent: Rc::clone(self), raw, released: false })
     }
 
+    /// Prepares `list` for requests built from indices: against this agent's own registrations
+    /// when `peer` is `None`, else against the metadata loaded for `peer`.
+    pub(crate) fn prepare(
+        self: &Rc<Self>,
+        peer: Option<&CStr>,
+        list: &XferDescList,
+    ) -> Result<PreparedList, NixlError> {
+        // NIXL_INIT_AGENT, the name that means "this agent".
+        let name = peer.unwrap_or(c"");
+        let api = &self.api;
+        let raw = created(
+            "prep_xfer_dlist",
+            || {
+                format!(
+                    "{} descriptor(s) of {}: each must lie in memory registered by that agent",
+                    list.len,
+                    peer.map_or_else(
+                        || format!("agent {:?}", self.name),
+                        |p| format!("peer {p:?}")
+                    )
+                )
+            },
+            |out| {
+                // SAFETY: the agent, `name` and the list are alive; `out` is a valid out-pointer;
+                // null opt args lets NIXL pick the backends.
+                unsafe {
+                    (api.prep_xfer_dlist)(
+                        self.raw(),
+                        name.as_ptr(),
+                        list.raw.as_ptr(),
+                        out,
+                        ptr::null_mut(),
+                    )
+                }
+            },
+        )?;
+        Ok(PreparedList { agent: Rc::clone(self), raw, len: list.len })
+    }
+
+    /// Creates a WRITE of `local`'s descriptors at `local_indices` into `remote`'s at
+    /// `remote_indices` (pairwise, as many of each), carrying the notification in `opts`. NIXL
+    /// merges neighbours that are contiguous on both sides.
+    pub(crate) fn make_write(
+        self: &Rc<Self>,
+        local: &PreparedList,
+        local_indices: &[u32],
+        remote: &PreparedList,
+        remote_indices: &[u32],
+        opts: &OptArgs,
+    ) -> Result<XferRequest, NixlError> {
+        let api = &self.api;
+        let raw = created(
+            "make_xfer_req",
+            || {
+                format!(
+                    "WRITE of {} block(s) from prepared lists of {} and {} descriptor(s): indices \
+                     must be in range, pairwise of equal lengths, and the peer still loaded",
+                    local_indices.len(),
+                    local.len,
+                    remote.len
+                )
+            },
+            |out| {
+                // SAFETY: the agent, both prepared lists, both index slices and `opts` are alive;
+                // `out` is a valid out-pointer. `u32` and `c_int` have the same size and
+                // alignment, so each slice is read as `len` C ints; an index above `i32::MAX`
+                // reads as negative, which NIXL, converting it to `size_t`, refuses as out of
+                // range, as it refuses every index past its list (checked before any is used).
+                unsafe {
+                    (api.make_xfer_req)(
+                        self.raw(),
+                        XFER_OP_WRITE,
+                        local.raw.as_ptr(),
+                        local_indices.as_ptr().cast::<c_int>(),
+                        local_indices.len(),
+                        remote.raw.as_ptr(),
+                        remote_indices.as_ptr().cast::<c_int>(),
+                        remote_indices.len(),
+                        out,
+                        opts.raw.as_ptr(),
+                    )
+                }
+            },
+        )?;
+        Ok(XferRequest { agent: Rc::clone(self), raw, released: false })
+    }
+
     /// Sends a notification to `peer`.
     pub(crate) fn send_notification(&self, peer: &CStr, payload: &[u8]) -> Result<(), NixlError> {
         // SAFETY: the agent, `peer` and `payload` are alive for the call; null opt args uses
@@ -561,6 +654,26 @@ impl Drop for XferDescList {
     fn drop(&mut self) {
         // SAFETY: the list came from `create_xfer_dlist` and is destroyed once.
         unsafe { (self.api.destroy_xfer_dlist)(self.raw.as_ptr()) };
+    }
+}
+
+/// A descriptor list prepared by one agent (`prep_xfer_dlist`); released when dropped.
+#[derive(Debug)]
+pub(crate) struct PreparedList {
+    agent: Rc<AgentCore>,
+    raw: NonNull<XferDlistHandleS>,
+    /// Descriptors in the list.
+    len: usize,
+}
+
+impl Drop for PreparedList {
+    fn drop(&mut self) {
+        // SAFETY: the agent is alive (held by `self`) and prepared this handle, which is
+        // released once; requests made from it keep their own copies. Its status cannot be acted
+        // on in `drop`.
+        let _ = unsafe {
+            (self.agent.api.release_xfer_dlist_handle)(self.agent.raw(), self.raw.as_ptr())
+        };
     }
 }
 

@@ -1,19 +1,22 @@
 //! [`NixlTransport`]: the core's [`Transport`] on a NIXL agent with a UCX backend.
 
 use std::collections::HashMap;
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::fmt;
 use std::rc::Rc;
 use std::sync::Arc;
 
 use kvpush_core::planner::DescriptorRun;
 use kvpush_core::transport::{
-    MemoryRegion, MemorySpace, Notification, Transport, TransportError, WriteId, WriteState,
+    BlockArray, BlockWrite, MemoryRegion, MemorySpace, Notification, Transport, TransportError,
+    WriteId, WriteState,
 };
 
 use crate::api::{self, Api, Library, THREAD_SYNC_NONE};
 use crate::error::NixlError;
-use crate::handles::{AgentCore, NotifMap, OptArgs, Registration, XferDescList, XferRequest};
+use crate::handles::{
+    AgentCore, NotifMap, OptArgs, PreparedList, Registration, XferDescList, XferRequest,
+};
 
 /// The shortest progress-thread poll interval accepted, in µs. NIXL's UCX thread waits in
 /// `poll()` for `ceil(interval / 1 ms)` milliseconds, so 0 (NIXL's default) busy-loops on a core.
@@ -92,6 +95,63 @@ struct Peer {
     c_name: CString,
 }
 
+/// Tables kept prepared per side (and per peer) at most: a pair's tables change only when a
+/// layout does, and the oldest goes first.
+const PREPARED_TABLES: usize = 4;
+
+/// One block table, prepared as a descriptor list with one descriptor per block, in table order.
+#[derive(Debug)]
+struct PreparedTable {
+    space: MemorySpace,
+    table: Vec<BlockArray>,
+    /// `None`: NIXL could not prepare it (a block outside registered memory, or a table too
+    /// large for C `int` indices); writes of this table take the fresh-list path.
+    list: Option<PreparedList>,
+    /// The length every block of the table shares, if one (a WRITE's bytes, for errors).
+    block_len: Option<u64>,
+}
+
+/// Finds `table` in `tables`, preparing it (with `prepare`) when it is not there.
+fn find_or_prepare(
+    tables: &mut Vec<PreparedTable>,
+    space: MemorySpace,
+    table: &[BlockArray],
+    prepare: impl FnOnce() -> Option<PreparedList>,
+) -> usize {
+    if let Some(i) = tables.iter().position(|t| t.space == space && t.table == table) {
+        return i;
+    }
+    if tables.len() >= PREPARED_TABLES {
+        tables.remove(0);
+    }
+    let block_len = table.first().map(|a| a.len).filter(|&len| table.iter().all(|a| a.len == len));
+    tables.push(PreparedTable { space, table: table.to_vec(), list: prepare(), block_len });
+    tables.len() - 1
+}
+
+/// `table` as a descriptor list (reusing `list`) prepared by `agent` for `peer` (`None`: for
+/// itself); `None` when NIXL refuses it or its indices would not fit a C `int`.
+fn prepare_table(
+    agent: &Rc<AgentCore>,
+    api: &Arc<Api>,
+    list: &mut XferDescList,
+    peer: Option<&CStr>,
+    space: MemorySpace,
+    table: &[BlockArray],
+) -> Option<PreparedList> {
+    let blocks: u64 = table.iter().map(|a| u64::from(a.count)).sum();
+    if blocks > i32::MAX as u64 {
+        return None;
+    }
+    let list = scratch_list(list, api, space).ok()?;
+    for array in table {
+        for k in 0..u64::from(array.count) {
+            list.push(array.base + k * array.stride, array.len, space.device).ok()?;
+        }
+    }
+    agent.prepare(peer, list).ok()
+}
+
 /// A posted write that has not been reported done or failed yet.
 #[derive(Debug)]
 enum Pending {
@@ -128,6 +188,13 @@ pub struct NixlTransport {
     /// Released writes the backend could not let go of yet (cancelled while in flight); retried
     /// on every poll and notification call.
     stuck: Vec<XferRequest>,
+    /// Block tables prepared against each peer's metadata, by peer; released before the peer's
+    /// metadata is invalidated or reloaded, and, when dropped, before the registrations.
+    remote_tables: HashMap<String, Vec<PreparedTable>>,
+    /// Block tables of this agent's memory, prepared.
+    local_tables: Vec<PreparedTable>,
+    /// Writes built from prepared lists (for tests and benchmarks).
+    prepared_writes: u64,
     registrations: Vec<Registration>,
     peers: HashMap<String, Peer>,
     /// Descriptor lists reused by every write (`create_xfer_req` copies them).
@@ -170,6 +237,9 @@ impl NixlTransport {
         Ok(Self {
             writes: HashMap::new(),
             stuck: Vec::new(),
+            remote_tables: HashMap::new(),
+            local_tables: Vec::new(),
+            prepared_writes: 0,
             registrations: Vec::new(),
             peers: HashMap::new(),
             local_list: XferDescList::new(api, MemorySpace::DRAM)?,
@@ -190,6 +260,41 @@ impl NixlTransport {
     /// Writes posted and not yet reported done, failed or abandoned.
     pub fn writes_in_flight(&self) -> usize {
         self.writes.len()
+    }
+
+    /// Writes posted from prepared descriptor lists ([`Transport::post_block_write`]) so far.
+    pub fn prepared_writes(&self) -> u64 {
+        self.prepared_writes
+    }
+
+    /// Prepared descriptor lists held: of this agent's memory, and of peers' (all peers).
+    pub fn prepared_lists(&self) -> (usize, usize) {
+        let live = |tables: &[PreparedTable]| tables.iter().filter(|t| t.list.is_some()).count();
+        (live(&self.local_tables), self.remote_tables.values().map(|t| live(t)).sum())
+    }
+
+    /// Posts the WRITE of `request` (`runs` runs of `bytes` bytes) as write `id`: see
+    /// `post_write`.
+    fn post_request(
+        &mut self,
+        id: WriteId,
+        mut request: XferRequest,
+        peer: (&str, Rc<str>),
+        runs: usize,
+        bytes: u64,
+    ) -> Result<WriteId, TransportError> {
+        const OP: &str = "post_write";
+        let (peer, peer_name) = peer;
+        if let Err(mut e) = request.post() {
+            e.detail = format!("WRITE {id:?} of {runs} runs ({bytes} B) to peer {peer:?}");
+            // Part of it may have been posted: a write in flight until NIXL lets it go.
+            self.fail_once_released(OP, id, request, e)?;
+            self.next_write += 1;
+            return Ok(id);
+        }
+        self.next_write += 1;
+        self.writes.insert(id, Pending::Write { request, peer: peer_name, runs, bytes });
+        Ok(id)
     }
 
     /// Tries again to release requests the backend held on to.
@@ -287,8 +392,11 @@ impl Transport for NixlTransport {
         self.agent.local_metadata().map_err(|e| err("metadata", e))
     }
 
+    /// A peer added again (new metadata under a known name) loses its prepared lists.
     fn add_peer(&mut self, metadata: &[u8]) -> Result<String, TransportError> {
         let name = self.agent.load_remote_metadata(metadata).map_err(|e| err("add_peer", e))?;
+        // Prepared against the metadata just replaced (if any): prepared again on next use.
+        self.remote_tables.remove(&name);
         let c_name = CString::new(name.as_str()).map_err(|_| {
             TransportError::new("add_peer", format!("peer name {name:?} contains a NUL"))
         })?;
@@ -299,6 +407,8 @@ impl Transport for NixlTransport {
     /// Idempotent: forgetting an unknown peer succeeds. Writes still in flight to the peer fail
     /// at their next poll.
     fn remove_peer(&mut self, peer: &str) -> Result<(), TransportError> {
+        // Released before the metadata they were prepared against is invalidated.
+        self.remote_tables.remove(peer);
         match self.peers.remove(peer) {
             Some(known) => {
                 self.agent.invalidate_remote(&known.c_name).map_err(|e| err("remove_peer", e))
@@ -340,21 +450,68 @@ impl Transport for NixlTransport {
             bytes = bytes.saturating_add(run.len);
         }
         self.opts.set_notification(notification).map_err(|e| err(OP, e))?;
-        let mut request = self
+        let request = self
             .agent
             .create_write(local_list, remote_list, &target.c_name, &self.opts)
             .map_err(|e| err(OP, e))?;
-        if let Err(mut e) = request.post() {
-            e.detail = format!("WRITE {id:?} of {} runs ({bytes} B) to peer {peer:?}", runs.len());
-            // Part of it may have been posted: a write in flight until NIXL lets it go.
-            self.fail_once_released(OP, id, request, e)?;
-            self.next_write += 1;
-            return Ok(id);
+        self.post_request(id, request, (peer, peer_name), runs.len(), bytes)
+    }
+
+    /// From descriptor lists prepared once per local block table and once per (peer, remote
+    /// block table), with one descriptor per block: the request is `make_xfer_req` on the
+    /// indices (NIXL merges neighbours contiguous on both sides), with no descriptor built. A
+    /// table NIXL will not prepare, a write of no blocks, and a write whose runs are fewer than
+    /// half its blocks (mostly contiguous: its runs are cheaper to pass than its indices, see
+    /// `benches/post_write.rs`) go the `post_write` way.
+    fn post_block_write(
+        &mut self,
+        peer: &str,
+        write: &BlockWrite<'_>,
+        local: MemorySpace,
+        remote: MemorySpace,
+        notification: &[u8],
+    ) -> Result<WriteId, TransportError> {
+        const OP: &str = "post_write";
+        if write.src.is_empty()
+            || write.src.len() != write.dst.len()
+            || write.runs.len().saturating_mul(2) <= write.src.len()
+        {
+            return self.post_write(peer, write.runs, local, remote, notification);
         }
-        self.next_write += 1;
-        self.writes
-            .insert(id, Pending::Write { request, peer: peer_name, runs: runs.len(), bytes });
-        Ok(id)
+        let id = WriteId(self.next_write);
+        let target = self.peers.get(peer).ok_or_else(|| unknown_peer(OP, peer))?;
+        let peer_name = Rc::clone(&target.name);
+        let api = self.library.api();
+        let (agent, list) = (&self.agent, &mut self.local_list);
+        let local_at = find_or_prepare(&mut self.local_tables, local, write.src_blocks, || {
+            prepare_table(agent, api, list, None, local, write.src_blocks)
+        });
+        let remote_tables = match self.remote_tables.get_mut(peer) {
+            Some(tables) => tables,
+            None => self.remote_tables.entry(peer.to_owned()).or_default(),
+        };
+        let list = &mut self.remote_list;
+        let remote_at = find_or_prepare(remote_tables, remote, write.dst_blocks, || {
+            prepare_table(agent, api, list, Some(&target.c_name), remote, write.dst_blocks)
+        });
+        let local_table = self.local_tables.get(local_at);
+        let (Some(local_list), Some(remote_list)) = (
+            local_table.and_then(|t| t.list.as_ref()),
+            remote_tables.get(remote_at).and_then(|t| t.list.as_ref()),
+        ) else {
+            return self.post_write(peer, write.runs, local, remote, notification);
+        };
+        let bytes = match local_table.and_then(|t| t.block_len) {
+            Some(len) => len.saturating_mul(write.src.len() as u64),
+            None => write.runs.iter().map(|run| run.len).sum(),
+        };
+        self.opts.set_notification(notification).map_err(|e| err(OP, e))?;
+        let request = self
+            .agent
+            .make_write(local_list, write.src, remote_list, write.dst, &self.opts)
+            .map_err(|e| err(OP, e))?;
+        self.prepared_writes += 1;
+        self.post_request(id, request, (peer, peer_name), write.runs.len(), bytes)
     }
 
     fn poll_write(&mut self, write: WriteId) -> Result<WriteState, TransportError> {

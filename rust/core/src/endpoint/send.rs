@@ -27,12 +27,12 @@ use std::time::{Duration, Instant};
 
 use crate::clock::BootInstant;
 use crate::key::TransferKey;
-use crate::planner::{BlockList, PlanRequest};
+use crate::planner::{BlockIndices, BlockList, PlanRequest};
 use crate::protocol::{Cancel, CancelAck, Done, Encoder, FailReason, Hello, Message, Secret};
 use crate::rendezvous::{FenceReason, Match, Outcome as TableOutcome, RendezvousError};
 use crate::side_channel::PeerId;
 use crate::sync::lock;
-use crate::transport::{MemorySpace, Transport, TransportError, WriteId, WriteState};
+use crate::transport::{BlockWrite, MemorySpace, Transport, TransportError, WriteId, WriteState};
 
 use super::agents::{self, UnusableAgent};
 use super::context::Context;
@@ -87,6 +87,8 @@ pub(super) struct Sends {
     ack_waiters: HashMap<(TransferKey, u64), Vec<PeerId>>,
     /// Signs the DONEs that ride on the WRITEs.
     notifications: Encoder,
+    /// The block form of the WRITE being posted, reused from one request to the next.
+    block_indices: BlockIndices,
 }
 
 impl std::fmt::Debug for Sends {
@@ -110,6 +112,7 @@ impl Sends {
             in_flight: Vec::new(),
             ack_waiters: HashMap::new(),
             notifications: Encoder::new(agent.to_owned(), secret),
+            block_indices: BlockIndices::default(),
         }
     }
 
@@ -288,6 +291,12 @@ impl Sends {
         let plan = planner
             .plan(&request)
             .map_err(|e| (FailReason::Refused, Reason::Refused, e.to_string()))?;
+        // Whole blocks of layouts that match block for block also go as block indices, which a
+        // transport with prepared descriptor lists posts without building descriptors. Worked
+        // out here, before the lease check, to keep the check close to the post.
+        let blocks = planner
+            .block_tables()
+            .filter(|_| planner.block_indices_into(&request, &mut self.block_indices));
         let runs = u32::try_from(plan.runs.len()).unwrap_or(u32::MAX);
         let done = Message::Done(Done {
             transfer_key: key.as_str().to_owned(),
@@ -321,12 +330,22 @@ impl Sends {
             }
         }
         let checked = cx.shared.now();
-        let write = cx
-            .transport
-            .post_write(agent, &plan.runs, self.memory, remote, &notification)
-            .map_err(|e| {
-                (FailReason::WriteError, Reason::WriteError, format!("transfer {key}: {e}"))
-            })?;
+        let posted = match blocks {
+            Some((src_blocks, dst_blocks)) => {
+                let write = BlockWrite {
+                    runs: &plan.runs,
+                    src_blocks,
+                    dst_blocks,
+                    src: self.block_indices.src(),
+                    dst: self.block_indices.dst(),
+                };
+                cx.transport.post_block_write(agent, &write, self.memory, remote, &notification)
+            }
+            None => cx.transport.post_write(agent, &plan.runs, self.memory, remote, &notification),
+        };
+        let write = posted.map_err(|e| {
+            (FailReason::WriteError, Reason::WriteError, format!("transfer {key}: {e}"))
+        })?;
         // The horizon's margin covers the moments between the check and the post; a process
         // stopped right there for longer (SIGSTOP, a VM pause) posted outside it. Nothing can
         // recall a posted WRITE: count it, so that an operator sees the fence was at risk.

@@ -1,0 +1,218 @@
+//! "Runs given -> WRITE posted" on a real NIXL agent (DRAM over UCX, two agents in one process):
+//! fresh descriptor lists (`post_write`: one local and one remote descriptor per run, then
+//! `create_xfer_req`) against lists prepared once (`post_block_write`: `make_xfer_req` on block
+//! indices), for 64 layers (K and V regions) x 1,000 blocks, fragmented and contiguous, as the
+//! planner gives them. Only the post is timed; each WRITE is then driven to completion, untimed.
+//!
+//! Needs `KVPUSH_NIXL_CAPI` (prints SKIP without it); run with `UCX_NET_DEVICES=lo`:
+//! `cargo bench -p kvpush-nixl --bench post_write`. Prints a table with the ratio, then
+//! criterion's figures.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use kvpush_core::layout::{KvLayout, Region, TokenOrder};
+use kvpush_core::planner::{BlockIndices, BlockList, DescriptorRun, PlanRequest, Planner};
+use kvpush_core::transport::{
+    BlockWrite, MemoryRegion, MemorySpace, Notification, Transport, WriteId, WriteState,
+};
+use kvpush_nixl::{AgentConfig, Library, NixlTransport};
+
+const LAYERS: usize = 64;
+const BLOCKS: u32 = 1_000;
+/// Blocks per region: the fragmented case lists every other one.
+const CAPACITY: u32 = 2 * BLOCKS;
+const BLOCK_TOKENS: u32 = 16;
+/// One 2-byte head: 32-byte blocks keep each side's memory at 8 MiB (only posting is timed).
+const HEAD_BYTES: u32 = 2;
+const SAMPLES: usize = 30;
+
+/// `count` ids out of `0..capacity`: consecutive, or every other block scrambled (as the core's
+/// planner bench lists them).
+fn block_ids(count: u32, contiguous: bool) -> Vec<u32> {
+    if contiguous {
+        return (0..count).collect();
+    }
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut ids: Vec<u32> = (0..count).map(|i| 2 * i).collect();
+    for i in (1..ids.len()).rev() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ids.swap(i, (state % (i as u64 + 1)) as usize);
+    }
+    ids
+}
+
+fn layout(memory: &[u8]) -> KvLayout {
+    let block_bytes = u64::from(BLOCK_TOKENS * HEAD_BYTES);
+    let region_bytes = block_bytes * u64::from(CAPACITY);
+    KvLayout {
+        regions: (0..2 * LAYERS as u64)
+            .map(|i| Region {
+                base: memory.as_ptr() as u64 + i * region_bytes,
+                block_stride: block_bytes,
+                num_blocks: CAPACITY,
+                group: 0,
+            })
+            .collect(),
+        block_tokens: BLOCK_TOKENS,
+        kernel_block_tokens: BLOCK_TOKENS,
+        heads: 1,
+        head_bytes: HEAD_BYTES,
+        token_order: TokenOrder::Nhd,
+        tp_rank: 0,
+        tp_size: 1,
+    }
+}
+
+fn memory_bytes() -> usize {
+    2 * LAYERS * (CAPACITY * BLOCK_TOKENS * HEAD_BYTES) as usize
+}
+
+/// One request as the writer has it: runs, and the block form.
+struct Case {
+    label: &'static str,
+    runs: Vec<DescriptorRun>,
+    blocks: BlockIndices,
+}
+
+struct Bench {
+    a: NixlTransport,
+    b: NixlTransport,
+    planner: Planner,
+    peer: String,
+    notes: Vec<Notification>,
+    // Last: the agents above are dropped before the memory they registered.
+    _memory: (Vec<u8>, Vec<u8>),
+}
+
+impl Bench {
+    fn new(library: &Library) -> Self {
+        let (a_mem, b_mem) = (vec![1u8; memory_bytes()], vec![2u8; memory_bytes()]);
+        let config = AgentConfig::default();
+        let mut a = NixlTransport::new(library, "bench-post-A", &config).expect("agent A");
+        let mut b = NixlTransport::new(library, "bench-post-B", &config).expect("agent B");
+        let region = |m: &[u8]| MemoryRegion {
+            addr: m.as_ptr() as u64,
+            len: m.len() as u64,
+            space: MemorySpace::DRAM,
+        };
+        // SAFETY: the memory outlives both agents (`Bench`'s fields drop in order).
+        unsafe {
+            a.register_memory(&[region(&a_mem)]).expect("register A");
+            b.register_memory(&[region(&b_mem)]).expect("register B");
+        }
+        let peer = a.add_peer(&b.metadata().expect("metadata")).expect("add_peer");
+        b.add_peer(&a.metadata().expect("metadata")).expect("add_peer");
+        let planner = Planner::new(layout(&a_mem), layout(&b_mem)).expect("compatible");
+        Self { a, b, planner, peer, notes: Vec::new(), _memory: (a_mem, b_mem) }
+    }
+
+    fn case(&self, contiguous: bool) -> Case {
+        let (p, d) = (block_ids(BLOCKS, contiguous), block_ids(BLOCKS, contiguous));
+        let num_tokens = u64::from(BLOCKS * BLOCK_TOKENS);
+        let src = [BlockList { first_token: 0, ids: &p }];
+        let dst = [BlockList { first_token: 0, ids: &d }];
+        let req = PlanRequest { request: "bench", num_tokens, src: &src, dst: &dst };
+        let plan = self.planner.plan(&req).expect("valid request");
+        let mut blocks = BlockIndices::default();
+        assert!(self.planner.block_indices_into(&req, &mut blocks), "whole blocks");
+        let label = if contiguous { "contiguous" } else { "fragmented" };
+        Case { label, runs: plan.runs, blocks }
+    }
+
+    /// Posts `case` one way; returns the time the post took, after driving the WRITE to its
+    /// end (untimed).
+    fn post(&mut self, case: &Case, prepared: bool) -> Duration {
+        let dram = MemorySpace::DRAM;
+        let tables = self.planner.block_tables().expect("tables");
+        let start = Instant::now();
+        let write = if prepared {
+            let write = BlockWrite {
+                runs: &case.runs,
+                src_blocks: tables.0,
+                dst_blocks: tables.1,
+                src: case.blocks.src(),
+                dst: case.blocks.dst(),
+            };
+            self.a.post_block_write(&self.peer, black_box(&write), dram, dram, b"done")
+        } else {
+            self.a.post_write(&self.peer, black_box(&case.runs), dram, dram, b"done")
+        };
+        let took = start.elapsed();
+        self.finish(write.expect("posted"));
+        took
+    }
+
+    fn finish(&mut self, write: WriteId) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut done = false;
+        loop {
+            if !done {
+                done = self.a.poll_write(write).expect("poll_write") == WriteState::Done;
+            }
+            self.b.take_notifications(&mut self.notes).expect("take_notifications");
+            if done && !self.notes.is_empty() {
+                self.notes.clear();
+                return;
+            }
+            assert!(Instant::now() < deadline, "the WRITE did not finish");
+        }
+    }
+}
+
+fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort_unstable();
+    samples[samples.len() / 2]
+}
+
+fn bench_post_write(c: &mut Criterion) {
+    let library = match Library::discover() {
+        Ok(library) => library,
+        Err(e) => {
+            eprintln!("SKIP: {e}");
+            return;
+        }
+    };
+    let mut bench = Bench::new(&library);
+    let cases = [bench.case(false), bench.case(true)];
+    println!("post_write, {LAYERS} layers (K and V) x {BLOCKS} blocks, median of {SAMPLES} posts:");
+    println!(
+        "{:<11} {:>8} {:>8} {:>12} {:>12} {:>7}",
+        "case", "runs", "blocks", "fresh", "prepared", "ratio"
+    );
+    for case in &cases {
+        // The first prepared post prepares both lists: not a sample.
+        bench.post(case, true);
+        let before = bench.a.prepared_writes();
+        let fresh = median((0..SAMPLES).map(|_| bench.post(case, false)).collect());
+        let prepared = median((0..SAMPLES).map(|_| bench.post(case, true)).collect());
+        // `post_block_write` takes the fresh lists itself when the runs are far fewer.
+        let path =
+            if bench.a.prepared_writes() > before { "" } else { " (block form posted fresh)" };
+        println!(
+            "{:<11} {:>8} {:>8} {:>12.1?} {:>12.1?} {:>6.1}x{path}",
+            case.label,
+            case.runs.len(),
+            case.blocks.src().len(),
+            fresh,
+            prepared,
+            fresh.as_secs_f64() / prepared.as_secs_f64()
+        );
+    }
+    let mut group = c.benchmark_group("nixl post_write/64 layers x 1000 blocks");
+    group.sample_size(10).measurement_time(Duration::from_secs(5));
+    for case in &cases {
+        for (way, prepared) in [("fresh lists", false), ("prepared lists", true)] {
+            group.bench_function(BenchmarkId::new(way, case.label), |b| {
+                b.iter_custom(|iters| (0..iters).map(|_| bench.post(case, prepared)).sum())
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_post_write);
+criterion_main!(benches);
