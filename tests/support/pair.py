@@ -30,6 +30,8 @@ class Pair:
         p_secret: bytes | None,
         d_secret: bytes | None,
         options: dict[str, Any] | None = None,
+        *,
+        d_shape: CacheShape = D_SHAPE,
     ) -> None:
         env = TRANSPORTS[transport]
         self.transport = transport
@@ -50,7 +52,7 @@ class Pair:
             )
 
         self.p: Any = worker("p", P_SHAPE, P_SEED, p_secret)
-        self.d: Any = worker("d", D_SHAPE, None, d_secret)
+        self.d: Any = worker("d", d_shape, None, d_secret)
         self.source = self.p.address()
 
     def verify(self, delivered: list[Request]) -> None:
@@ -63,17 +65,27 @@ class Pair:
 
 
 def make_requests(
-    rng: random.Random, count: int, prefix: str, *, cached_blocks: int = 0
+    rng: random.Random,
+    count: int,
+    prefix: str,
+    *,
+    cached_blocks: int = 0,
+    d_shape: CacheShape = D_SHAPE,
+    whole_blocks: bool = False,
 ) -> list[Request]:
-    """``count`` requests with scattered, disjoint blocks on both sides."""
+    """``count`` requests with scattered, disjoint blocks on both sides (of whole blocks of
+    both sides only, with ``whole_blocks``)."""
     p_free = rng.sample(range(P_SHAPE.num_blocks), P_SHAPE.num_blocks)
-    d_free = rng.sample(range(D_SHAPE.num_blocks), D_SHAPE.num_blocks)
+    d_free = rng.sample(range(d_shape.num_blocks), d_shape.num_blocks)
     requests = []
     for i in range(count):
-        d_first = cached_blocks * D_SHAPE.block_tokens
+        d_first = cached_blocks * d_shape.block_tokens
         tokens = rng.randint(d_first + 1, d_first + 150)
+        if whole_blocks:
+            unit = max(P_SHAPE.block_tokens, d_shape.block_tokens)
+            tokens = d_first + unit * max(1, (tokens - d_first) // unit)
         p_count = -(-tokens // P_SHAPE.block_tokens)
-        d_count = -(-(tokens - d_first) // D_SHAPE.block_tokens)
+        d_count = -(-(tokens - d_first) // d_shape.block_tokens)
         p_blocks, p_free = tuple(p_free[:p_count]), p_free[p_count:]
         d_blocks, d_free = tuple(d_free[:d_count]), d_free[d_count:]
         requests.append(

@@ -74,6 +74,39 @@ def test_both_arrival_orders_deliver_every_byte(pair: Pair) -> None:
     pair.verify(reg_first + kv_first)
 
 
+@pytest.mark.parametrize("transport", ["nixl", "nixl-tcp"])
+def test_whole_blocks_of_matching_layouts_land_byte_for_byte(transport: str) -> None:
+    """P and D with one layout, requests of whole blocks: the WRITEs a NIXL transport builds
+    from prepared descriptor lists (block indices), next to one with a partial last block."""
+    pair = Pair(transport, None, None, d_shape=P_SHAPE)
+    try:
+        rng = random.Random(11)
+        requests = make_requests(rng, 8, "w", d_shape=P_SHAPE, whole_blocks=True)
+        assert all(r.tokens % P_SHAPE.block_tokens == 0 for r in requests)
+        # And one whose last block is partial, on blocks of its own.
+        used_p = {b for r in requests for b in r.p_blocks}
+        used_d = {b for r in requests for b in r.d_blocks}
+        free_p = [b for b in range(P_SHAPE.num_blocks) if b not in used_p]
+        free_d = [b for b in range(P_SHAPE.num_blocks) if b not in used_d]
+        last = Request(
+            "cmpl-partial-0", 3 * P_SHAPE.block_tokens + 5, tuple(free_p[:4]), tuple(free_d[:4])
+        )
+        everything = [*requests, last]
+        pair.d.expect(pair.source, everything)
+        wait_until_registered(pair, len(everything))
+        assert pair.p.ready(everything) == []
+        received = by_request(pair.d.events(len(everything), timeout=30.0))
+        assert {e["outcome"] for e in received.values()} == {"done"}, received
+        sent = by_request(pair.p.events(len(everything), timeout=30.0))
+        for r in everything:
+            assert (
+                sent[r.request_id]["bytes"] == 2 * P_SHAPE.layers * r.tokens * P_SHAPE.token_bytes
+            )
+        pair.verify(everything)
+    finally:
+        pair.close()
+
+
 def test_many_concurrent_fragmented_requests(pair: Pair) -> None:
     rng = random.Random(2)
     requests = make_requests(rng, 24, "c")
