@@ -93,6 +93,8 @@ def test_an_expired_transfer_crosses_as_typed_members_and_a_typed_timeline() -> 
     assert len(timeline) == 1
     with pytest.raises(KeyError):
         timeline["posted"]
+    assert kvpush.Timeline(ready=timeline.ready) == timeline, "made for test doubles too"
+    assert kvpush.Timeline() != timeline
 
 
 def test_abort_answers_with_a_member() -> None:

@@ -174,17 +174,17 @@ def new_request(request_id: str, prompt: int, params: Any) -> Any:
 @dataclass
 class StandInEvent:
     """A ``kvpush.TransferEvent`` as the worker reads one (the native class has no
-    constructor)."""
+    constructor), typed as the native one is."""
 
-    role: str
+    role: kvpush.Role
     request_id: str
-    outcome: str
+    outcome: kvpush.Outcome
     reason: str | None = None
     key: str = ""
-    code: None = None
+    code: kvpush.Reason | None = None
     bytes: int = 0
     runs: int = 0
-    timeline: dict[str, float] = field(default_factory=dict)
+    timeline: kvpush.Timeline = field(default_factory=kvpush.Timeline)
 
 
 @dataclass
@@ -214,9 +214,13 @@ class EndpointDouble:
         if behaviour.error is not None:
             raise behaviour.error
         reason = None if behaviour.outcome == "done" else f"double: {behaviour.outcome}"
-        self._due.append(
-            (behaviour.polls, StandInEvent(role, request_id, behaviour.outcome, reason))
+        event = StandInEvent(
+            kvpush.Role.from_code(role),
+            request_id,
+            kvpush.Outcome.from_code(behaviour.outcome),
+            reason,
         )
+        self._due.append((behaviour.polls, event))
 
     def ready(self, request_id: str, blocks: Any, num_tokens: int, **options: Any) -> None:
         self.calls.append(("ready", request_id, blocks))
@@ -226,19 +230,19 @@ class EndpointDouble:
         self.calls.append(("expect", request_id, source))
         self._start("receive", request_id)
 
-    def abort(self, request_id: str, transfer_id: str | None = None) -> str:
+    def abort(self, request_id: str, transfer_id: str | None = None) -> kvpush.AbortOutcome:
         self.calls.append(("abort", request_id, transfer_id))
         error = self._behaviour(request_id).error
         if error is not None:
             raise error
-        return "unknown"
+        return kvpush.AbortOutcome.UNKNOWN
 
     def cancel(self, request_id: str) -> None:
         self.calls.append(("cancel", request_id, None))
         self._due = [(0, e) if e.request_id == request_id else (n, e) for n, e in self._due]
         for _, due in self._due:
             if due.request_id == request_id:
-                due.outcome, due.reason = "cancelled", "double: cancelled"
+                due.outcome, due.reason = kvpush.Outcome.CANCELLED, "double: cancelled"
 
     def poll(self) -> list[StandInEvent]:
         due = [event for polls, event in self._due if polls <= 0]
@@ -717,12 +721,14 @@ def test_events_for_requests_the_worker_does_not_track_are_not_reported(
     recv = RecvRequest("d-1", None, "127.0.0.1", 5600, 1, ((2,),), 0, 10)
     connector.bind_connector_metadata(KvPushMetadata(PushMetadata(recvs=[recv, recv])))
     assert endpoint.calls.count(("expect", "d-1", ["127.0.0.1:5600"])) == 1
-    endpoint._due.append((0, StandInEvent("receive", "d-1", "done")))  # a second event
-    endpoint._due.append((0, StandInEvent("send", "p-unknown", "failed")))
+    endpoint._due.append(
+        (0, StandInEvent(kvpush.Role.RECEIVE, "d-1", kvpush.Outcome.DONE))
+    )  # a second event
+    endpoint._due.append((0, StandInEvent(kvpush.Role.SEND, "p-unknown", kvpush.Outcome.FAILED)))
     results = connector.get_transfer_results(set())
     assert results.finished_recving == {"d-1"}
     assert not results.finished_sending
-    endpoint._due.append((0, StandInEvent("receive", "d-1", "failed")))
+    endpoint._due.append((0, StandInEvent(kvpush.Role.RECEIVE, "d-1", kvpush.Outcome.FAILED)))
     assert not connector.get_transfer_results(set()).finished_recving
 
 
@@ -844,8 +850,10 @@ def test_a_quarantined_transfer_holds_its_blocks_until_its_final_event(
     assert not held.finished_recving, "held while a WRITE may still land"
     assert not held.finished_sending, "P's source blocks held while NIXL may read them"
     assert connector.get_block_ids_with_load_errors() == set()
-    endpoint._due.append((0, StandInEvent("receive", "d-q", "failed", "P confirmed")))
-    endpoint._due.append((0, StandInEvent("send", "p-q", "done")))
+    endpoint._due.append(
+        (0, StandInEvent(kvpush.Role.RECEIVE, "d-q", kvpush.Outcome.FAILED, "P confirmed"))
+    )
+    endpoint._due.append((0, StandInEvent(kvpush.Role.SEND, "p-q", kvpush.Outcome.DONE)))
     ended = connector.get_transfer_results(set())
     assert ended.finished_recving == ended.failed_recving == {"d-q"}
     assert ended.finished_sending == {"p-q"}

@@ -197,6 +197,15 @@ class Timeline:
     """Seconds on the endpoint's clock at which each step happened (None: not taken); also a
     read-only mapping of the steps taken."""
 
+    def __new__(
+        cls,
+        *,
+        registered: float | None = None,
+        ready: float | None = None,
+        matched: float | None = None,
+        posted: float | None = None,
+        completed: float | None = None,
+    ) -> Timeline: ...
     @property
     def registered(self) -> float | None: ...
     @property

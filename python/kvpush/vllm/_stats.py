@@ -33,7 +33,7 @@ def empty() -> dict[str, Any]:
 def _reason_code(event: kvpush.TransferEvent) -> str:
     """A failure's metric label: the role and the event's reason code (never its prose)."""
     code = event.code if event.code is not None else event.outcome
-    return f"{event.role.value}_{code.value}"
+    return f"{event.role}_{code}"
 
 
 def observe(
@@ -41,11 +41,11 @@ def observe(
 ) -> None:
     """Adds one finished transfer to ``data``."""
     t = event.timeline
-    if event.outcome is not kvpush.Outcome.DONE:
+    if event.outcome != kvpush.Outcome.DONE:
         code = _reason_code(event)
         data["failures"][code] = data["failures"].get(code, 0) + 1
         return
-    sent = event.role is kvpush.Role.SEND
+    sent = event.role == kvpush.Role.SEND
     data["sent" if sent else "received"] += 1
     data["bytes"].append(event.bytes)
     data["descriptors"].append(event.runs)

@@ -351,10 +351,10 @@ class PushWorker:
             wall["scheduled"] = decided
         line = {
             "engine": self._config.engine_id,
-            "role": event.role.value,
+            "role": str(event.role),
             "request_id": event.request_id,
             "key": event.key,
-            "outcome": event.outcome.value,
+            "outcome": str(event.outcome),
             "reason": event.reason,
             "bytes": event.bytes,
             "runs": event.runs,
@@ -380,7 +380,7 @@ class PushWorker:
             )
             return
         for event in events:
-            quarantined = event.outcome is kvpush.Outcome.QUARANTINED
+            quarantined = event.outcome == kvpush.Outcome.QUARANTINED
             # A quarantine notice is not the request's end: its final event keeps the decision.
             decided = (
                 self._decided.get(event.request_id)
@@ -398,7 +398,7 @@ class PushWorker:
     def _report(self, event: kvpush.TransferEvent) -> None:
         request_id = event.request_id
         tracked = request_id in (
-            self._sending if event.role is kvpush.Role.SEND else self._recv_blocks
+            self._sending if event.role == kvpush.Role.SEND else self._recv_blocks
         )
         if not tracked:
             logger.warning(
@@ -408,7 +408,7 @@ class PushWorker:
                 request_id,
             )
             return
-        if event.outcome is kvpush.Outcome.QUARANTINED:
+        if event.outcome == kvpush.Outcome.QUARANTINED:
             # A notice, not the end: a WRITE may still be moving bytes (P stalled, a link cut, a
             # peer that never confirmed), so the request is not reported finished and vLLM keeps
             # its blocks allocated (a receive's even if the request is aborted). Its final event
@@ -420,17 +420,17 @@ class PushWorker:
                 event.reason,
             )
             return
-        if event.role is kvpush.Role.SEND:
-            if event.outcome is kvpush.Outcome.FAILED:
+        if event.role == kvpush.Role.SEND:
+            if event.outcome == kvpush.Outcome.FAILED:
                 logger.warning("kvpush: send of %s failed: %s", request_id, event.reason)
             self._sending.discard(request_id)
             self._finished_sending.add(request_id)
             return
         blocks = self._recv_blocks.pop(request_id)
-        if event.outcome is kvpush.Outcome.DONE:
+        if event.outcome == kvpush.Outcome.DONE:
             self._finished_recving.add(request_id)
         else:
-            self._fail_recv(request_id, sorted(blocks), event.reason or event.outcome.value)
+            self._fail_recv(request_id, sorted(blocks), event.reason or str(event.outcome))
 
     def take_finished(self) -> tuple[set[str], set[str], set[str]]:
         """Sends finished, receives finished (failed ones included), receives failed.

@@ -224,9 +224,10 @@ impl From<core::AbortOutcome> for AbortOutcome {
 
 /// When each step of a transfer happened, in seconds on the endpoint's clock
 /// (`Endpoint.clock()`); None for a step this transfer never took. Also a read-only mapping of
-/// the steps it took (`timeline["posted"]`, `"posted" in timeline`, `items()`).
-#[pyclass(module = "kvpush", frozen, get_all)]
-#[derive(Debug, Clone, Copy)]
+/// the steps it took (`timeline["posted"]`, `"posted" in timeline`, `items()`). Equal when
+/// every step is.
+#[pyclass(module = "kvpush", frozen, get_all, eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Timeline {
     /// P: D's registration arrived. D: the registration was handed to the endpoint.
     registered: Option<f64>,
@@ -266,6 +267,19 @@ impl Timeline {
 
 #[pymethods]
 impl Timeline {
+    /// A timeline with the steps given (the endpoint makes them; test doubles of events too).
+    #[new]
+    #[pyo3(signature = (*, registered = None, ready = None, matched = None, posted = None, completed = None))]
+    fn new(
+        registered: Option<f64>,
+        ready: Option<f64>,
+        matched: Option<f64>,
+        posted: Option<f64>,
+        completed: Option<f64>,
+    ) -> Self {
+        Self { registered, ready, matched, posted, completed }
+    }
+
     /// `(step, seconds)` for each step taken, in order.
     fn items(&self) -> Vec<(&'static str, f64)> {
         self.steps().into_iter().filter_map(|(step, at)| Some((step, at?))).collect()

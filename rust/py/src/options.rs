@@ -233,7 +233,6 @@ impl EndpointOptions {
             (max_connections, "max_connections"),
             (max_connections_per_host, "max_connections_per_host"),
             (max_handshakes, "max_handshakes"),
-            (inbox_capacity, "inbox_capacity"),
         ] {
             if value == 0 {
                 return Err(PyValueError::new_err(format!("{what} must be at least 1")));
