@@ -12,6 +12,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use kvpush_benches::block_ids;
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::planner::{BlockIndices, BlockList, DescriptorRun, PlanRequest, Planner};
 use kvpush_core::transport::{
@@ -27,23 +28,6 @@ const BLOCK_TOKENS: u32 = 16;
 /// One 2-byte head: 32-byte blocks keep each side's memory at 8 MiB (only posting is timed).
 const HEAD_BYTES: u32 = 2;
 const SAMPLES: usize = 30;
-
-/// `count` ids out of `0..capacity`: consecutive, or every other block scrambled (as the core's
-/// planner bench lists them).
-fn block_ids(count: u32, contiguous: bool) -> Vec<u32> {
-    if contiguous {
-        return (0..count).collect();
-    }
-    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut ids: Vec<u32> = (0..count).map(|i| 2 * i).collect();
-    for i in (1..ids.len()).rev() {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        ids.swap(i, (state % (i as u64 + 1)) as usize);
-    }
-    ids
-}
 
 fn layout(memory: &[u8]) -> KvLayout {
     let block_bytes = u64::from(BLOCK_TOKENS * HEAD_BYTES);
@@ -111,7 +95,8 @@ impl Bench {
     }
 
     fn case(&self, contiguous: bool) -> Case {
-        let (p, d) = (block_ids(BLOCKS, contiguous), block_ids(BLOCKS, contiguous));
+        let ids = || block_ids(BLOCKS, CAPACITY, contiguous);
+        let (p, d) = (ids(), ids());
         let num_tokens = u64::from(BLOCKS * BLOCK_TOKENS);
         let src = [BlockList { first_token: 0, ids: &p }];
         let dst = [BlockList { first_token: 0, ids: &d }];
