@@ -61,27 +61,14 @@ __all__ = [
     "transfer_key",
 ]
 
-#: Names that were exported here before they moved to ``kvpush._native.lab`` (they serve the lab
-#: and the tests, not a serving engine); still reachable as attributes, never in ``__all__``.
-_MOVED_TO_LAB = frozenset(
-    {
-        "Arrival",
-        "Cancellation",
-        "Decoder",
-        "Encoder",
-        "Expired",
-        "Finished",
-        "Plan",
-        "Planner",
-        "RendezvousTable",
-        "frame_length",
-    }
-)
-
-
 if not TYPE_CHECKING:  # typed code imports them from kvpush._native.lab
 
     def __getattr__(name: str) -> Any:
-        if name in _MOVED_TO_LAB:
-            return getattr(lab, name)
+        """The lab's bindings (``kvpush._native.lab``) were exported here before they moved:
+        still reachable as attributes, for code written then, but never in ``__all__``."""
+        if not name.startswith("__"):
+            try:
+                return getattr(lab, name)
+            except AttributeError:
+                pass
         raise AttributeError(f"module 'kvpush' has no attribute {name!r}")
