@@ -31,6 +31,7 @@ def test_each_member_is_its_code_for_equality_hashing_and_str(enum: Any) -> None
         assert member.name == code.upper()
         assert getattr(enum, member.name) is member
         assert enum.from_code(code) is member
+        assert enum(code) == member
         assert member == code
         assert code == member
         assert (member != code) is False
@@ -47,6 +48,8 @@ def test_each_member_is_its_code_for_equality_hashing_and_str(enum: Any) -> None
         assert member != code.upper()
     with pytest.raises(ValueError, match="not a"):
         enum.from_code("no such code")
+    with pytest.raises(ValueError, match="not a"):
+        enum("no such code")
 
 
 def test_the_reason_codes_are_the_documented_ones() -> None:

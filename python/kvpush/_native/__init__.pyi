@@ -126,6 +126,10 @@ class KvLayout:
 class _Code:
     """A code enum's member: equal to its stable code (and hashed like it); ``str()`` is it."""
 
+    def __new__(cls, code: str) -> Self:
+        """The member of that code, as Python's enums look one up by value (``from_code``
+        gives the class's own object)."""
+
     @property
     def value(self) -> str:
         """The stable code (metric labels, JSON, logs)."""

@@ -36,6 +36,17 @@ macro_rules! code_enum {
                 self.code().to_ascii_uppercase()
             }
 
+            /// The member whose code is `code`; `ValueError` naming the codes for none.
+            fn parse(code: &str) -> PyResult<Self> {
+                Self::ALL.iter().copied().find(|member| member.code() == code).ok_or_else(|| {
+                    pyo3::exceptions::PyValueError::new_err(format!(
+                        "{code:?} is not a {} code (one of {:?})",
+                        stringify!($ty),
+                        Self::ALL.iter().map(|member| member.code()).collect::<Vec<_>>()
+                    ))
+                })
+            }
+
             /// The class's own member for `self` (so that `is` holds against it).
             pub(crate) fn member(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
                 py.get_type::<Self>().getattr(self.attribute())
@@ -44,6 +55,13 @@ macro_rules! code_enum {
 
         #[pymethods]
         impl $ty {
+            /// The member whose code is `code` (as Python's enums look one up by value); equal
+            /// to, though not the same object as, the class's own (`from_code` gives that).
+            #[new]
+            fn new(code: &str) -> PyResult<Self> {
+                Self::parse(code)
+            }
+
             /// Every member, in declaration order.
             #[classmethod]
             fn members<'py>(cls: &Bound<'py, PyType>) -> PyResult<Vec<Bound<'py, PyAny>>> {
@@ -53,14 +71,7 @@ macro_rules! code_enum {
             /// The member whose code is `code`; `ValueError` for none.
             #[classmethod]
             fn from_code<'py>(cls: &Bound<'py, PyType>, code: &str) -> PyResult<Bound<'py, PyAny>> {
-                match Self::ALL.iter().find(|member| member.code() == code) {
-                    Some(member) => cls.getattr(member.attribute()),
-                    None => Err(pyo3::exceptions::PyValueError::new_err(format!(
-                        "{code:?} is not a {} code (one of {:?})",
-                        stringify!($ty),
-                        Self::ALL.iter().map(|member| member.code()).collect::<Vec<_>>()
-                    ))),
-                }
+                cls.getattr(Self::parse(code)?.attribute())
             }
 
             /// The stable code (metric labels, JSON, logs).
