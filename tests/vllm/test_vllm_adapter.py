@@ -276,12 +276,14 @@ def test_each_layer_region_carries_its_group() -> None:
     assert group_of == [0]
 
 
-def worker(engine: str, caches: list[np.ndarray], block_size: int, port: int) -> PushWorker:
-    return worker_from_views(engine, [view(c) for c in caches], block_size, port)
+def worker(
+    engine: str, caches: list[np.ndarray], block_size: int, port: int, idle_wait: float = 0.0
+) -> PushWorker:
+    return worker_from_views(engine, [view(c) for c in caches], block_size, port, idle_wait)
 
 
 def worker_from_views(
-    engine: str, views: list[TensorView], block_size: int, port: int
+    engine: str, views: list[TensorView], block_size: int, port: int, idle_wait: float = 0.0
 ) -> PushWorker:
     config = WorkerConfig(
         engine_id=engine,
@@ -293,6 +295,7 @@ def worker_from_views(
         receive_timeout=30.0,
         transport="loopback",
         model_fingerprint="tiny",
+        idle_wait=idle_wait,
     )
     w = PushWorker(config, Model(HEADS, HEAD, block_size))
     w.register(views)
@@ -603,12 +606,14 @@ class EndpointSpy:
         return getattr(self._endpoint, name)
 
 
-def test_a_step_that_computes_nothing_waits_for_the_transfer_instead_of_spinning() -> None:
-    from kvpush.vllm._worker import IDLE_STEP_WAIT
+def idle_steps_until_received(idle_wait: float) -> list[tuple[str, float]]:
+    """Moves one request between two workers (``idle_wait`` configured on D), stepping D with
+    steps that compute nothing until it is received; returns D's endpoint calls from then on."""
     from kvpush.vllm.metadata import PushMetadata
 
     p_caches, d_caches = cpu_caches(2, 16, 32, seed=3), cpu_caches(2, 16, 32, seed=None)
-    p, d = worker("prefill-idle", p_caches, 32, 0), worker("decode-idle", d_caches, 32, 0)
+    p = worker("prefill-idle", p_caches, 32, 0)
+    d = worker("decode-idle", d_caches, 32, 0, idle_wait=idle_wait)
     spy = EndpointSpy(d.endpoint)
     d._endpoint = spy  # type: ignore[assignment]
     try:
@@ -634,14 +639,28 @@ def test_a_step_that_computes_nothing_waits_for_the_transfer_instead_of_spinning
             # The step's second report (vLLM asks for results and stats) does not wait again.
             d.take_stats()
             p.take_finished()
+            time.sleep(0.001)  # vLLM's engine loop, after a step that computes nothing
         assert received == {"d-idle"}
-        waits = [call for call in spy.calls if call[0] == "wait"]
-        assert waits, "idle steps with a receive outstanding wait for its event"
-        assert all(timeout == IDLE_STEP_WAIT for _, timeout in waits)
-        assert len(waits) <= len(spy.calls) // 2, "one wait per step at most"
+        return list(spy.calls)
     finally:
         p.close()
         d.close()
+
+
+def test_by_default_a_step_that_computes_nothing_never_waits_in_the_connector() -> None:
+    # vLLM's engine loop sleeps after such a step itself; a wait in the connector would only
+    # hold a request that arrives meanwhile.
+    calls = idle_steps_until_received(0.0)
+    assert calls
+    assert all(call == ("poll", 0.0) for call in calls)
+
+
+def test_a_configured_idle_wait_waits_for_the_transfer_event_in_idle_steps_only() -> None:
+    calls = idle_steps_until_received(0.004)
+    waits = [call for call in calls if call[0] == "wait"]
+    assert waits, "idle steps with a receive outstanding wait for its event"
+    assert all(timeout == 0.004 for _, timeout in waits)
+    assert len(waits) <= len(calls) // 2, "one wait per step at most"
 
 
 def test_a_steps_idleness_survives_vllm_binding_then_starting_it() -> None:
@@ -792,3 +811,38 @@ def test_a_workers_config_never_shows_its_secret() -> None:
     )
     assert SECRET not in repr(config)
     assert SECRET not in str(config)
+
+
+def config_with(extra: dict[str, Any], backend: str = "uni", world_size: int = 1) -> WorkerConfig:
+    """The worker's config of an engine whose ``kv_connector_extra_config`` is ``extra``, its
+    workers run by vLLM's ``backend`` executor."""
+    from types import SimpleNamespace
+
+    from kvpush.vllm.config import worker_config
+
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id="e", kv_connector_extra_config=extra),
+        model_config=SimpleNamespace(model="tiny", dtype="float32"),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        parallel_config=SimpleNamespace(
+            distributed_executor_backend=backend, world_size=world_size
+        ),
+    )
+    return worker_config(vllm_config)
+
+
+def test_idle_wait_ms_auto_waits_only_in_a_worker_process_of_its_own() -> None:
+    # On the engine's thread vLLM's loop sleeps after an idle step itself: no wait by default.
+    assert config_with({}).idle_wait == 0.0
+    assert config_with({"idle_wait_ms": "auto"}, "external_launcher", 2).idle_wait == 0.0
+    assert config_with({}, "mp", 2).idle_wait == pytest.approx(0.002)
+    assert config_with({}, "mp", 1).idle_wait == pytest.approx(0.002)
+    assert config_with({"idle_wait_ms": 0}, "mp", 2).idle_wait == 0.0
+    assert config_with({"idle_wait_ms": 2}).idle_wait == pytest.approx(0.002)
+    assert config_with({"idle_wait_ms": "0.5"}).idle_wait == pytest.approx(0.0005)
+
+
+@pytest.mark.parametrize("value", [-1, "soon", None, True, float("nan"), float("inf"), 51, [2]])
+def test_a_bad_idle_wait_ms_stops_the_start_naming_the_key(value: Any) -> None:
+    with pytest.raises(ConfigError, match='idle_wait_ms must be "auto" or a number of millisec'):
+        config_with({"idle_wait_ms": value})

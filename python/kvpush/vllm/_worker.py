@@ -48,10 +48,6 @@ def _threads_born_on(cpus: set[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, previous)
 
 
-#: How long a worker's report in a step that computes nothing may wait for a transfer event (s).
-IDLE_STEP_WAIT = 0.002
-
-
 def compatibility(model_fingerprint: str, cache: CacheLayout) -> str:
     """What P and D must agree on: the model's KV geometry; block sizes and TP sizes only where
     kvpush cannot translate between them (opaque blocks move whole, so their size must match;
@@ -435,15 +431,15 @@ class PushWorker:
     def take_finished(self) -> tuple[set[str], set[str], set[str]]:
         """Sends finished, receives finished (failed ones included), receives failed.
 
-        In a step that computes nothing while transfers are outstanding, waits up to
-        :data:`IDLE_STEP_WAIT` for the next of them to end: vLLM's engine loop steps without
-        pause while a request waits for its KV, and would otherwise spin a core (on P, while
-        the KV is sent) that the transfer itself may need. An event ends the wait at once.
+        In a step that computes nothing while transfers are outstanding, waits up to the
+        configured ``idle_wait_ms`` (:attr:`WorkerConfig.idle_wait`, 0 by default) for the next
+        of them to end, the first event ending the wait.
         """
+        wait = self._config.idle_wait
         outstanding = bool(self._sending or self._recv_blocks)
-        idle = self._idle_step and outstanding and not self._has_finished()
+        idle = wait > 0 and self._idle_step and outstanding and not self._has_finished()
         self._idle_step = False
-        self.poll(IDLE_STEP_WAIT if idle else 0.0)
+        self.poll(wait if idle else 0.0)
         out = (self._finished_sending, self._finished_recving, self._failed_recving)
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
         return out

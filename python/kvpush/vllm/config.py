@@ -14,7 +14,10 @@ for KV, default 120), ``write_timeout`` / ``peer_timeout`` / ``heartbeat_interva
 10 / 5 / 1: the write horizon, see docs/operations.md), ``max_connections`` /
 ``max_connections_per_host`` / ``max_handshakes`` (the side channel's caps, defaults 256 / 32 /
 16: a P holds one connection per D rank it serves; a D turned away for want of a slot tries
-again while its receives wait), ``transport`` (``nixl``, or ``loopback`` for in-process tests).
+again while its receives wait), ``idle_wait_ms`` (how long a worker's report in a step that
+computes nothing may wait for a transfer event, ended by the first one: ``"auto"``, the default,
+or milliseconds from 0 to 50; see :func:`idle_wait`), ``transport`` (``nixl``, or ``loopback``
+for in-process tests).
 
 Environment only: ``KVPUSH_THREAD_CPUS`` (where the endpoint's native threads run,
 :func:`native_thread_cpus`) and ``KVPUSH_TIMELINE_DIR`` (per-transfer timelines,
@@ -24,6 +27,7 @@ Environment only: ``KVPUSH_THREAD_CPUS`` (where the endpoint's native threads ru
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -75,6 +79,10 @@ class WorkerConfig:
     max_connections: int = 256
     max_connections_per_host: int = 32
     max_handshakes: int = 16
+    #: How long (s) a worker's report in a step that computes nothing may wait for a transfer
+    #: event, the first event ending it (``idle_wait_ms``; :func:`idle_wait` picks it on
+    #: ``"auto"``). A request that arrives meanwhile waits behind it.
+    idle_wait: float = 0.0
 
 
 #: The shared secret itself, or the path of a file that holds it.
@@ -133,6 +141,44 @@ def _flag(value: object) -> bool:
     return str(value).strip().lower() in {"1", "true", "yes", "on"}
 
 
+#: The longest ``idle_wait_ms`` accepted: a step that computes nothing waits at most this long.
+MAX_IDLE_WAIT_MS = 50.0
+#: ``idle_wait_ms: "auto"`` in a worker process of its own (s).
+WORKER_PROCESS_IDLE_WAIT = 0.002
+
+
+def idle_wait(value: object, worker_process: bool) -> float:
+    """``idle_wait_ms`` in seconds. ``"auto"``: none where the worker runs on the engine's own
+    thread (vLLM's engine loop sleeps 1 ms after a step that computes nothing,
+    ``EngineCore._process_engine_step`` in vLLM 0.32, and a wait here would only hold a request
+    that arrives meanwhile: ``kvpush bench engine`` measures it); 2 ms in a worker process of its
+    own (tensor or pipeline parallel, vLLM's ``mp`` or ``ray`` executor), which between steps
+    spins on ``sched_yield`` in vLLM's shared-memory queue and has starved the endpoint's writer
+    thread of a core for seconds on small hosts. Anything but ``"auto"`` or a number of
+    milliseconds in [0, 50] is refused, naming the key."""
+    if value == "auto":
+        return WORKER_PROCESS_IDLE_WAIT if worker_process else 0.0
+    try:
+        milliseconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        milliseconds = math.nan
+    if isinstance(value, bool) or not 0.0 <= milliseconds <= MAX_IDLE_WAIT_MS:
+        raise ConfigError(
+            f'kv_connector_extra_config.idle_wait_ms must be "auto" or a number of milliseconds '
+            f"from 0 to {MAX_IDLE_WAIT_MS:g}, not {value!r}"
+        )
+    return milliseconds / 1000.0
+
+
+def _worker_process(vllm_config: VllmConfig) -> bool:
+    """Whether the workers run in processes of their own rather than on the engine's thread."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    if backend in ("uni", "external_launcher"):
+        return False
+    return backend is not None or int(getattr(parallel, "world_size", 1)) > 1
+
+
 def worker_config(vllm_config: VllmConfig) -> WorkerConfig:
     """A worker's configuration: vLLM's ``kv_transfer_config`` and its extra options, the
     environment, and the defaults."""
@@ -158,6 +204,7 @@ def worker_config(vllm_config: VllmConfig) -> WorkerConfig:
         max_connections_per_host=int(extra.get("max_connections_per_host", 32)),
         max_handshakes=int(extra.get("max_handshakes", 16)),
         receive_timeout=float(extra.get("receive_timeout", 120.0)),
+        idle_wait=idle_wait(extra.get("idle_wait_ms", "auto"), _worker_process(vllm_config)),
         transport=str(extra.get("transport", "nixl")),
         model_fingerprint=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}",
     )
