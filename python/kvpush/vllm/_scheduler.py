@@ -18,10 +18,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvpush.vllm._layout import CacheGroups, window_start
-from kvpush.vllm._params import Refused, RemoteDecode, parse_params
+from kvpush.vllm._params import Refused, RemoteDecode, TransferParams, parse_params
 from kvpush.vllm.metadata import PushMetadata, RecvRefused, RecvRequest, SendRequest
 
 logger = logging.getLogger("vllm.kvpush")
+
+#: Requests whose read kv_transfer_params are kept at most (each entry goes when its request
+#: finishes; past this many, all go, and are read again).
+MAX_READ_PARAMS = 65_536
 
 
 class PushScheduler:
@@ -53,6 +57,22 @@ class PushScheduler:
         #: where their params cannot be marked (``do_remote_prefill`` cleared). Until the
         #: request finishes.
         self._settled: set[str] = set()
+        #: Each request's kv_transfer_params as last read, and what they read as: vLLM hands
+        #: them to four or five hooks per request, unchanged unless kvpush changed them.
+        self._read: dict[str, tuple[dict[Any, Any], TransferParams]] = {}
+
+    def _params(self, request_id: str, params: object) -> TransferParams:
+        """:func:`parse_params` of ``params``, read once while they stay as they were: a JSON
+        object's values are immutable, so an equal copy means the same answer."""
+        seen = self._read.get(request_id)
+        if seen is not None and type(params) is dict and seen[0] == params:
+            return seen[1]
+        parsed = parse_params(params)
+        if type(params) is dict:
+            if len(self._read) >= MAX_READ_PARAMS:
+                self._read.clear()  # never reached by requests that finish; a bound regardless
+            self._read[request_id] = (dict(params), parsed)
+        return parsed
 
     # ---- every request ----------------------------------------------------------------------
 
@@ -62,7 +82,7 @@ class PushScheduler:
         without them, as a plain one, and the refusal is logged once."""
         if params is None or isinstance(params, Mapping):
             return True
-        refused = parse_params(params).remote_prefill
+        refused = self._params(request_id, params).remote_prefill
         reason = refused.reason if isinstance(refused, Refused) else "not an object"
         logger.warning(
             "kvpush: request %s: %s; serving it as a request without them", request_id, reason
@@ -91,7 +111,7 @@ class PushScheduler:
         """
         if request_id in self._settled:
             return 0, False
-        asked = parse_params(params).remote_prefill
+        asked = self._params(request_id, params).remote_prefill
         if asked is None:
             return 0, False
         if isinstance(asked, Refused):
@@ -121,7 +141,7 @@ class PushScheduler:
         tokens for: one that cannot be registered is refused to the workers
         (:class:`RecvRefused`), which report it failed.
         """
-        asked = parse_params(params).remote_prefill
+        asked = self._params(request_id, params).remote_prefill
         if asked is None or request_id in self._settled:
             return
         if num_external <= 0:
@@ -252,12 +272,14 @@ class PushScheduler:
         """
         refused_before = request_id in self._settled
         self._settled.discard(request_id)
+        read = self._read.pop(request_id, None)
         if request_id in self._receiving:
             # D: aborted while waiting for its KV. vLLM keeps the blocks until the workers
             # report the receive finished, which they do once P confirmed the cancel.
             self._pending.cancels.append(request_id)
             return False, None
-        parsed = parse_params(params)
+        fresh = read is not None and type(params) is dict and read[0] == params
+        parsed = read[1] if read is not None and fresh else parse_params(params)
         asked = parsed.remote_decode
         if asked is None:
             return False, None
@@ -306,6 +328,7 @@ class PushScheduler:
         (P; D is told when the transfer id is known), or kept until the cancel is confirmed
         (D, waiting for its KV)."""
         self._settled.discard(request_id)
+        self._read.pop(request_id, None)
         if request_id in self._receiving:
             self._pending.cancels.append(request_id)
             return False, None
