@@ -97,7 +97,7 @@ def add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvpush_lab.bench import control, core, idle, serving, suite, transfer
+    from kvpush_lab.bench import control, core, engine, idle, serving, suite, transfer
 
     bench = commands.add_parser(
         "bench",
@@ -113,6 +113,7 @@ def add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         ("core", core, "the Rust core's criterion benches: planner, table vs Mutex<HashMap>"),
         ("idle", idle, "CPU an idle, warm P+D pair burns: kvpush endpoints vs NIXL agents"),
         ("control", control, "P's per-request control path and matching: kvpush vs vLLM's code"),
+        ("engine", engine, "connector time per engine step on vLLM's scheduler, 1-512 in flight"),
         ("serving", serving, "kvpush vs vLLM's NixlPushConnector and NixlConnector, real servers"),
     ):
         command = benches.add_parser(

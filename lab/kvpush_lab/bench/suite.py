@@ -5,6 +5,7 @@ The steps, in order (cheap and self-contained first, the vLLM servers last):
 
 * ``core``: the Rust core's criterion benches (planner; rendezvous table vs ``Mutex<HashMap>``);
 * ``control``: P's per-request control path and matching under load, kvpush vs vLLM's code;
+* ``engine``: the connectors' time per engine step on vLLM's real scheduler, 1 to 512 in flight;
 * ``idle``: an idle, warm P+D pair's CPU, kvpush endpoints vs NIXL agents;
 * ``transfer``: the data path against plain NIXL WRITEs, UCX's default transports and tcp;
 * ``serving``: kvpush vs vLLM's NixlPushConnector and NixlConnector on real vLLM pairs.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from kvpush_lab.bench import report
 
-STEPS = ("core", "control", "idle", "transfer", "serving")
+STEPS = ("core", "control", "engine", "idle", "transfer", "serving")
 
 
 def _core(doc: Path, quick: bool) -> int:
@@ -37,6 +38,14 @@ def _control(doc: Path, quick: bool) -> int:
     from kvpush_lab.bench import control
 
     return control.main(argparse.Namespace(quick=quick, markdown=str(doc), img_dir=None))
+
+
+def _engine(doc: Path, quick: bool) -> int:
+    from kvpush_lab.bench import engine
+
+    parser = argparse.ArgumentParser()
+    engine.add_arguments(parser)
+    return engine.main(parser.parse_args(["--markdown", str(doc), *(["--quick"] if quick else [])]))
 
 
 def _idle(doc: Path, quick: bool) -> int:
@@ -68,6 +77,7 @@ def _serving(doc: Path, quick: bool) -> int:
 RUNNERS: dict[str, Callable[[Path, bool], int]] = {
     "core": _core,
     "control": _control,
+    "engine": _engine,
     "idle": _idle,
     "transfer": _transfer,
     "serving": _serving,
