@@ -107,6 +107,26 @@ def test_scheduler_registers_d_blocks_once_and_cancels_aborted_waits() -> None:
     assert sched.take_metadata().cancels == ["d-1"]
 
 
+def test_params_changed_between_hooks_are_read_again_never_answered_from_the_first_read() -> None:
+    # The scheduler reads a request's params once while they stay as read; changed in place
+    # between two hooks (a field now wrong), the next hook reads what they are now.
+    sched = PushScheduler()
+    params = dict(D_PARAMS)
+    assert sched.external_tokens("d-1", params, prompt_tokens=100, num_computed=0) == (100, True)
+    params["remote_port"] = 70_000
+    sched.allocated("d-1", params, [[4, 7]], num_computed=0, prompt_tokens=100, num_external=100)
+    (refused,) = sched.take_metadata().refused
+    assert "remote_port" in refused.reason
+    # And a P's params that turn valid after a first read offer the KV.
+    p_params: dict[str, Any] = {"do_remote_decode": True, "transfer_id": 5}
+    assert sched.external_tokens("p-1", p_params, prompt_tokens=16, num_computed=0) == (0, False)
+    p_params["transfer_id"] = "xfer-p"
+    delay, answer = sched.finished("p-1", p_params, True, [[1]], 16)
+    assert delay
+    assert answer is not None
+    assert answer["transfer_id"] == "xfer-p"
+
+
 @pytest.mark.parametrize(
     ("params", "complaint"),
     [
