@@ -833,9 +833,9 @@ def test_a_workers_config_never_shows_its_secret() -> None:
     assert SECRET not in str(config)
 
 
-def config_with(extra: dict[str, Any], backend: str = "uni", world_size: int = 1) -> WorkerConfig:
-    """The worker's config of an engine whose ``kv_connector_extra_config`` is ``extra``, its
-    workers run by vLLM's ``backend`` executor."""
+def config_with(extra: dict[str, Any], world_size: int = 1) -> WorkerConfig:
+    """The worker's config of an engine of ``world_size`` workers whose
+    ``kv_connector_extra_config`` is ``extra``."""
     from types import SimpleNamespace
 
     from kvpush.vllm.config import worker_config
@@ -844,20 +844,17 @@ def config_with(extra: dict[str, Any], backend: str = "uni", world_size: int = 1
         kv_transfer_config=SimpleNamespace(engine_id="e", kv_connector_extra_config=extra),
         model_config=SimpleNamespace(model="tiny", dtype="float32"),
         cache_config=SimpleNamespace(cache_dtype="auto"),
-        parallel_config=SimpleNamespace(
-            distributed_executor_backend=backend, world_size=world_size
-        ),
+        parallel_config=SimpleNamespace(world_size=world_size),
     )
     return worker_config(vllm_config)
 
 
-def test_idle_wait_ms_auto_waits_only_in_a_worker_process_of_its_own() -> None:
-    # On the engine's thread vLLM's loop sleeps after an idle step itself: no wait by default.
+def test_idle_wait_ms_auto_waits_only_in_an_engine_of_several_workers() -> None:
+    # vLLM's loop sleeps after an idle step itself: no wait by default with one worker.
     assert config_with({}).idle_wait == 0.0
-    assert config_with({"idle_wait_ms": "auto"}, "external_launcher", 2).idle_wait == 0.0
-    assert config_with({}, "mp", 2).idle_wait == pytest.approx(0.002)
-    assert config_with({}, "mp", 1).idle_wait == pytest.approx(0.002)
-    assert config_with({"idle_wait_ms": 0}, "mp", 2).idle_wait == 0.0
+    assert config_with({"idle_wait_ms": "auto"}).idle_wait == 0.0
+    assert config_with({}, 2).idle_wait == pytest.approx(0.002)
+    assert config_with({"idle_wait_ms": 0}, 2).idle_wait == 0.0
     assert config_with({"idle_wait_ms": 2}).idle_wait == pytest.approx(0.002)
     assert config_with({"idle_wait_ms": "0.5"}).idle_wait == pytest.approx(0.0005)
 

@@ -143,21 +143,23 @@ def _flag(value: object) -> bool:
 
 #: The longest ``idle_wait_ms`` accepted: a step that computes nothing waits at most this long.
 MAX_IDLE_WAIT_MS = 50.0
-#: ``idle_wait_ms: "auto"`` in a worker process of its own (s).
-WORKER_PROCESS_IDLE_WAIT = 0.002
+#: ``idle_wait_ms: "auto"`` in an engine of several workers (s).
+SEVERAL_WORKERS_IDLE_WAIT = 0.002
 
 
-def idle_wait(value: object, worker_process: bool) -> float:
-    """``idle_wait_ms`` in seconds. ``"auto"``: none where the worker runs on the engine's own
-    thread (vLLM's engine loop sleeps 1 ms after a step that computes nothing,
-    ``EngineCore._process_engine_step`` in vLLM 0.32, and a wait here would only hold a request
-    that arrives meanwhile: ``kvpush bench engine`` measures it); 2 ms in a worker process of its
-    own (tensor or pipeline parallel, vLLM's ``mp`` or ``ray`` executor), which between steps
-    spins on ``sched_yield`` in vLLM's shared-memory queue and has starved the endpoint's writer
-    thread of a core for seconds on small hosts. Anything but ``"auto"`` or a number of
+def idle_wait(value: object, several_workers: bool) -> float:
+    """``idle_wait_ms`` in seconds. ``"auto"``: 2 ms where the engine has several workers (tensor
+    or pipeline parallel), none otherwise. vLLM's engine loop sleeps 1 ms after a step that
+    computes nothing (``EngineCore._process_engine_step``, vLLM 0.32), and a wait here holds a
+    request that arrives meanwhile (``kvpush bench engine``; on real one-worker CPU servers,
+    which vLLM runs in a process of their own, waiting cost D 2.1 ms per idle step and bought
+    nothing in TTFT or handover, ``kvpush bench engine --servers``); several workers in their
+    own processes spin on ``sched_yield`` in vLLM's shared-memory queue and collectives between
+    steps, and there the wait kept a P of two ranks from starving its writer threads for
+    seconds on a small host (tests/e2e/test_kvpush_tp.py). Anything but ``"auto"`` or a number of
     milliseconds in [0, 50] is refused, naming the key."""
     if value == "auto":
-        return WORKER_PROCESS_IDLE_WAIT if worker_process else 0.0
+        return SEVERAL_WORKERS_IDLE_WAIT if several_workers else 0.0
     try:
         milliseconds = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -170,13 +172,10 @@ def idle_wait(value: object, worker_process: bool) -> float:
     return milliseconds / 1000.0
 
 
-def _worker_process(vllm_config: VllmConfig) -> bool:
-    """Whether the workers run in processes of their own rather than on the engine's thread."""
+def _several_workers(vllm_config: VllmConfig) -> bool:
+    """Whether the engine runs several workers (tensor or pipeline parallel)."""
     parallel = getattr(vllm_config, "parallel_config", None)
-    backend = getattr(parallel, "distributed_executor_backend", None)
-    if backend in ("uni", "external_launcher"):
-        return False
-    return backend is not None or int(getattr(parallel, "world_size", 1)) > 1
+    return int(getattr(parallel, "world_size", 1) or 1) > 1
 
 
 def worker_config(vllm_config: VllmConfig) -> WorkerConfig:
@@ -204,7 +203,7 @@ def worker_config(vllm_config: VllmConfig) -> WorkerConfig:
         max_connections_per_host=int(extra.get("max_connections_per_host", 32)),
         max_handshakes=int(extra.get("max_handshakes", 16)),
         receive_timeout=float(extra.get("receive_timeout", 120.0)),
-        idle_wait=idle_wait(extra.get("idle_wait_ms", "auto"), _worker_process(vllm_config)),
+        idle_wait=idle_wait(extra.get("idle_wait_ms", "auto"), _several_workers(vllm_config)),
         transport=str(extra.get("transport", "nixl")),
         model_fingerprint=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}",
     )
