@@ -84,3 +84,81 @@ def test_the_section_says_which_rows_time_the_scheduler_role_only(tmp_path: Path
     assert "stand-in, not timed" in text
     assert "Not judged here" in text
     assert list((tmp_path / "results").glob("engine-*.json"))
+
+
+# ---- the real-server variant's records ----------------------------------------------------
+
+from kvpush_lab.bench import engine_servers  # noqa: E402
+from kvpush_lab.bench.engine_servers import Row  # noqa: E402
+
+
+def row(at: int, role: str, hook: str, wall: int = 10, scheduled: int | None = None) -> Row:
+    return Row(at, 1, 1, "C", role, hook, wall, wall // 2, scheduled)
+
+
+def test_worker_steps_begin_at_binding_and_compute_when_the_forward_called_a_layer_hook() -> None:
+    rows = [
+        row(1, "worker", "bind_connector_metadata"),
+        row(2, "worker", "wait_for_layer_load"),
+        row(3, "worker", "save_kv_layer"),
+        row(4, "worker", "get_transfer_results", 100),
+        row(5, "scheduler", "build_connector_meta", 7, scheduled=0),
+        row(6, "worker", "bind_connector_metadata"),
+        row(7, "worker", "get_transfer_results", 2000),
+    ]
+    steps = engine_servers.worker_steps(rows)
+    assert [(s.computing, s.wall_ns, s.calls) for s in steps] == [(True, 130, 4), (False, 2010, 2)]
+
+
+def test_scheduler_steps_end_at_build_and_compute_when_tokens_were_scheduled() -> None:
+    rows = [
+        row(1, "scheduler", "get_num_new_matched_tokens"),
+        row(2, "scheduler", "build_connector_meta", scheduled=64),
+        row(3, "scheduler", "update_connector_output"),
+        row(4, "scheduler", "build_connector_meta", scheduled=0),
+        row(5, "scheduler", "request_finished"),  # no build after it: not a step yet
+    ]
+    steps = engine_servers.scheduler_steps(rows)
+    assert [(s.computing, s.calls) for s in steps] == [(True, 2), (False, 2)]
+
+
+def test_the_plugin_does_nothing_without_its_directory_and_times_every_class_with_it(
+    tmp_path: Path,
+) -> None:
+    # In a process of its own: the plugin patches vLLM's and kvpush's connector classes.
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from kvpush_lab import hooktimer
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+from kvpush.vllm.connector import KvPushConnector
+hooktimer.register()
+timed = getattr(KvPushConnector.get_finished, "__kvpush_timed__", False)
+print(timed, getattr(NixlPullConnector.build_connector_meta, "__kvpush_timed__", False))
+if timed:
+    class Role:
+        name = "WORKER"
+    connector = KvPushConnector.__new__(KvPushConnector)
+    connector._role = Role()
+    connector._worker = None
+    connector._scheduler = None
+    print(connector.get_finished(set()))
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "KVPUSH_HOOK_TIMER_DIR"}
+    off = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.split("\n")[0] == "False False"
+    on = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**env, "KVPUSH_HOOK_TIMER_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+    )
+    assert on.returncode == 0, on.stderr
+    assert on.stdout.split("\n")[0] == "True True"
+    rows = engine_servers.load_rows(tmp_path)
+    assert [(r.connector, r.role, r.hook) for r in rows] == [
+        ("KvPushConnector", "worker", "get_finished")
+    ]

@@ -29,7 +29,8 @@ The connectors:
   thread, off the engine's thread as NIXL's would be), P a real kvpush worker in this process
   whose KV is ready the moment D's registration arrives;
 * ``kvpush idle_wait_ms=2``: the same with the worker's optional wait for a transfer event in
-  steps that compute nothing (the default before it was measured here);
+  steps that compute nothing (kvpush's behaviour before it was measured here; ``auto``, the
+  default, waits so only in an engine of several workers);
 * ``NixlConnector`` (vLLM's pull) and ``NixlPushConnector``: vLLM's scheduler role. Their worker
   role needs a NIXL agent, a handshake with a P engine and vLLM's distributed state, so it is a
   stand-in here that reports each receive done on the step after the request began waiting: the
@@ -52,7 +53,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,7 +61,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpush_lab.bench import report
+from kvpush_lab.bench import engine_servers, report
+from kvpush_lab.hooktimer import SCHEDULER_HOOKS, WORKER_HOOKS, Timer
 
 if TYPE_CHECKING:
     from kvpush.vllm._worker import PushWorker
@@ -97,39 +99,15 @@ PER_REQUEST_HOOKS = (
     "request_finished",
     "request_finished_all_groups",
 )
-SCHEDULER_HOOKS = (
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "request_finished_all_groups",
-    "take_events",
-    "get_kv_connector_stats",
-    "build_kv_connector_stats",
-)
-WORKER_HOOKS = (
-    "bind_connector_metadata",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "get_transfer_results",
-    "get_finished",
-    "get_block_ids_with_load_errors",
-    "get_kv_connector_stats",
-    "get_kv_connector_kv_cache_events",
-    "build_connector_worker_meta",
-    "clear_connector_metadata",
-)
 
 
 class HookTimer:
-    """Times the hooks of one connector object on the calling thread: wall and thread CPU time of
-    each outermost hook call (a hook that calls another counts once), summed until taken."""
+    """The hooks of one connector object, timed on the calling thread
+    (:class:`kvpush_lab.hooktimer.Timer`): wall and thread CPU time summed until taken, and
+    per hook the calls, their total and the slowest."""
 
     def __init__(self) -> None:
-        self._depth = 0
+        self._timer = Timer(self._record)
         self.wall_ns = 0
         self.cpu_ns = 0
         self.calls: Counter[str] = Counter()
@@ -138,29 +116,14 @@ class HookTimer:
         self.max_ns: Counter[str] = Counter()
 
     def wrap(self, connector: object, names: Sequence[str]) -> None:
-        for name in names:
-            hook = getattr(connector, name, None)
-            if callable(hook):
-                setattr(connector, name, self._timed(name, hook))
+        self._timer.wrap_object(connector, names)
 
-    def _timed(self, name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:
-                return hook(*args, **kwargs)
-            self._depth = 1
-            wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
-            try:
-                return hook(*args, **kwargs)
-            finally:
-                self.cpu_ns += time.thread_time_ns() - cpu
-                took = time.perf_counter_ns() - wall
-                self.wall_ns += took
-                self.calls[name] += 1
-                self.total_ns[name] += took
-                self.max_ns[name] = max(self.max_ns[name], took)
-                self._depth = 0
-
-        return timed
+    def _record(self, name: str, wall: int, cpu: int, args: Sequence[Any]) -> None:
+        self.wall_ns += wall
+        self.cpu_ns += cpu
+        self.calls[name] += 1
+        self.total_ns[name] += wall
+        self.max_ns[name] = max(self.max_ns[name], wall)
 
     def take(self) -> tuple[int, int]:
         taken = (self.wall_ns, self.cpu_ns)
@@ -807,8 +770,8 @@ def markdown(summaries: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         "drains the queue before every step, and sleeps 1 ms after a step that computes nothing "
         "whatever the connector), and the connector's time in a step that computes nothing "
         "(`kvpush idle_wait_ms=2`: the worker waits for a transfer event in such a step, what "
-        "kvpush did before this benchmark; the default, `auto`, waits only in a worker process "
-        "of its own):",
+        "kvpush did before this benchmark; the default, `auto`, waits only in an engine of "
+        "several workers):",
         "",
         arrivals.markdown(),
         "",
@@ -831,8 +794,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--connectors",
-        default=",".join(CONNECTORS),
-        help=f"comma-separated connectors (default: all of {', '.join(CONNECTORS)})",
+        help=f"comma-separated connectors (default: all of {', '.join(CONNECTORS)}; with "
+        f"--servers, all of {', '.join(engine_servers.CONNECTORS)})",
     )
     parser.add_argument(
         "--rounds",
@@ -841,6 +804,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rounds, the connectors interleaved within each (default 3; --quick: 1)",
     )
     parser.add_argument("--quick", action="store_true", help="1 and 16 in flight, few requests")
+    parser.add_argument(
+        "--servers",
+        action="store_true",
+        help="on real vLLM server pairs instead (kvpush_lab.bench.engine_servers): upstream's "
+        "worker hooks timed too",
+    )
+    engine_servers.add_arguments(parser)
     parser.add_argument("--markdown", metavar="PATH", help="write the section into this document")
     parser.add_argument("--results", metavar="DIR", default="results", help="JSON results here")
 
@@ -867,13 +837,16 @@ def _quiet_vllm() -> Iterator[None]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.servers:
+        return engine_servers.main(args)
     try:
         import vllm
     except ImportError as error:
         print(f"kvpush bench engine needs vLLM ({error}): run it in .venv-vllm (scripts/dev bench)")
         return 2
     flights = (1, 16) if args.quick else tuple(int(n) for n in args.in_flight.split(",") if n)
-    connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
+    connectors = [c.strip() for c in (args.connectors or ",".join(CONNECTORS)).split(",")]
+    connectors = [c for c in connectors if c]
     unknown = [c for c in connectors if c not in CONNECTORS]
     if unknown:
         print(f"kvpush bench engine: unknown connector(s) {unknown}; known: {list(CONNECTORS)}")
