@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvpush.router import PrefillInstance
 from kvpush_lab.bench import report
+from kvpush_lab.bench.report import microseconds as _us
+from kvpush_lab.bench.report import percentile as _percentile
 from kvpush_lab.bench.serving_client import Route, phase_prompts, run_phase
 from kvpush_lab.bench.serving_result import KVPUSH, NIXL_PULL, NIXL_PUSH
 from kvpush_lab.hooktimer import ENV
@@ -134,10 +134,6 @@ def _bill(rows: Sequence[Row], computing: bool) -> StepBill:
         sum(r.cpu_ns for r in rows),
         len(rows),
     )
-
-
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
 
 
 def summarize(steps: Sequence[StepBill]) -> dict[str, Any]:
@@ -255,10 +251,6 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
 
-def _us(ns: float | None) -> str:
-    return "-" if ns is None else f"{ns / 1e3:.1f}" if ns < 1e7 else f"{ns / 1e3:.0f}"
-
-
 def analyse(connector: str, log_dir: Path, phases: Sequence[Phase]) -> list[dict[str, Any]]:
     """Per phase, server and role: the summary of its steps."""
     out = []
@@ -365,6 +357,44 @@ def verdicts(summaries: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def markdown(
+    summaries: Sequence[dict[str, Any]], prompt_tokens: int, max_tokens: int, when: str
+) -> str:
+    """The ``## Engine-thread bill (real vLLM servers)`` section."""
+    return "\n".join(
+        [
+            "Produced by `kvpush bench engine --servers` "
+            "(`lab/kvpush_lab/bench/engine_servers.py`): for each connector a P/D pair of real "
+            "vLLM servers (tiny model, P on core 0, D on core 1, vLLM's connectors as shipped), "
+            "every connector hook timed in every server process by kvpush's lab plugin "
+            "(`kvpush_lab.hooktimer`), summed per engine step. A worker step computes when the "
+            "forward pass called the per-layer hooks; a scheduler step when it scheduled tokens. "
+            f"Prompts of {prompt_tokens} tokens, {max_tokens} tokens out; bursts send all their "
+            "requests at once; one round, the connectors one after the other.",
+            "",
+            "Wall time is how long the hooks kept the engine's thread; on these servers, each "
+            "confined to one core, it includes the connector's own threads taking that core "
+            "(kvpush's writer posting WRITEs on P, NIXL's progress threads and vLLM's handshake "
+            "and notification threads for its connectors), which a GPU host runs on other cores. "
+            "Thread CPU time is the engine thread's own work in the hooks, what a GPU host would "
+            "see the same (scaled by its CPU).",
+            "",
+            f"Run: {when}.",
+            "",
+            table(summaries).markdown(),
+            "",
+            "What the client saw meanwhile (through kvpush's router core, as "
+            "`kvpush bench serving` routes):",
+            "",
+            client_table(summaries).markdown(),
+            "",
+            "Goal (issue 18, item 2), per phase and server:",
+            "",
+            *[f"- {line}" for line in verdicts(summaries)],
+        ]
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -414,39 +444,16 @@ def main(args: argparse.Namespace) -> int:
     lines = verdicts(summaries)
     for line in lines:
         print(f"  {line}")
-    out = Path(args.results)
+    from kvpush_lab.bench.engine import results_dir
+
+    out = results_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"engine-servers-{stamp}.json"
     path.write_text(json.dumps({"summaries": summaries, "run_dir": str(run_dir)}))
     print(f"\n  results: {path}; hook records in {run_dir}")
     if args.markdown:
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        body = "\n".join(
-            [
-                "Produced by `kvpush bench engine --servers` "
-                "(`lab/kvpush_lab/bench/engine_servers.py`): for each connector a P/D pair of "
-                "real vLLM servers (tiny model, P on core 0, D on core 1, vLLM's connectors as "
-                "shipped), every connector hook timed in every server process by kvpush's lab "
-                "plugin (`kvpush_lab.hooktimer`), summed per engine step. A worker step computes "
-                "when the forward pass called the per-layer hooks; a scheduler step when it "
-                "scheduled tokens. "
-                f"Prompts of {args.prompt_tokens} tokens, {args.max_tokens} tokens out; "
-                "bursts send all their requests at once.",
-                "",
-                f"Run: {when}.",
-                "",
-                t.markdown(),
-                "",
-                "What the client saw meanwhile (through kvpush's router core, as "
-                "`kvpush bench serving` routes):",
-                "",
-                clients.markdown(),
-                "",
-                "Goal (issue 18, item 2), per phase and server:",
-                "",
-                *[f"- {line}" for line in lines],
-            ]
-        )
+        body = markdown(summaries, args.prompt_tokens, args.max_tokens, when)
         report.replace_section(Path(args.markdown), SECTION, body)
         print(f"  section '{SECTION}' written to {args.markdown}")
     return 1 if failed else 0

@@ -63,6 +63,24 @@ def seconds(value: float | None) -> str:
     return f"{value / 1e-9:.3g} ns"
 
 
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100, linear between closest ranks); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return float(ordered[low] + (ordered[high] - ordered[low]) * (rank - low))
+
+
+def microseconds(ns: float | None) -> str:
+    """Nanoseconds as a table cell in microseconds (``12.3``; ``-`` for none)."""
+    if ns is None:
+        return "-"
+    return f"{ns / 1e3:.1f}" if ns < 1e7 else f"{ns / 1e3:.0f}"
+
+
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages (``n/a`` where the platform has none)."""
     try:

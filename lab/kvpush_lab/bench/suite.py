@@ -8,7 +8,9 @@ The steps, in order (cheap and self-contained first, the vLLM servers last):
 * ``engine``: the connectors' time per engine step on vLLM's real scheduler, 1 to 512 in flight;
 * ``idle``: an idle, warm P+D pair's CPU, kvpush endpoints vs NIXL agents;
 * ``transfer``: the data path against plain NIXL WRITEs, UCX's default transports and tcp;
-* ``serving``: kvpush vs vLLM's NixlPushConnector and NixlConnector on real vLLM pairs.
+* ``serving``: kvpush vs vLLM's NixlPushConnector and NixlConnector on real vLLM pairs;
+* ``engine-servers``: the connectors' time per engine step on real vLLM pairs, every hook timed
+  in the servers' processes.
 
 A step that fails is reported and the others still run; the exit status says whether all ran.
 They need vLLM and NIXL's Python API (``scripts/dev bench`` runs them in ``.venv-vllm``), and
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from kvpush_lab.bench import report
 
-STEPS = ("core", "control", "engine", "idle", "transfer", "serving")
+STEPS = ("core", "control", "engine", "idle", "transfer", "serving", "engine-servers")
 
 
 def _core(doc: Path, quick: bool) -> int:
@@ -74,6 +76,15 @@ def _serving(doc: Path, quick: bool) -> int:
     return serving.main(parser.parse_args(argv))
 
 
+def _engine_servers(doc: Path, quick: bool) -> int:
+    from kvpush_lab.bench import engine
+
+    parser = argparse.ArgumentParser()
+    engine.add_arguments(parser)
+    argv = ["--servers", "--markdown", str(doc), *(["--quick"] if quick else [])]
+    return engine.main(parser.parse_args(argv))
+
+
 RUNNERS: dict[str, Callable[[Path, bool], int]] = {
     "core": _core,
     "control": _control,
@@ -81,6 +92,7 @@ RUNNERS: dict[str, Callable[[Path, bool], int]] = {
     "idle": _idle,
     "transfer": _transfer,
     "serving": _serving,
+    "engine-servers": _engine_servers,
 }
 
 
