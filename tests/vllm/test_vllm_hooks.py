@@ -53,6 +53,7 @@ from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import PushWorker
 from kvpush.vllm.config import WorkerConfig
 from kvpush.vllm.metadata import PushMetadata, RecvRequest, SendRequest
+from kvpush_lab.bench.engine import worker_connector
 
 BLOCK = 16
 BLOCKS = 512
@@ -287,25 +288,6 @@ def push_worker(cache: CacheLayout, endpoint: Any, model: Model | None = None) -
     worker._cache = cache
     worker._endpoint = endpoint
     return worker
-
-
-def worker_connector(vllm_config: Any, worker: PushWorker) -> Any:
-    """The worker role's real :class:`KvPushConnector` around ``worker``. Its constructor reads
-    TP and PP ranks from vLLM's distributed state, which a test process has not set up, so the
-    base class is initialised directly and the worker handed in."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1,
-        KVConnectorRole,
-    )
-
-    from kvpush.vllm.connector import KvPushConnector
-
-    connector = KvPushConnector.__new__(KvPushConnector)
-    KVConnectorBase_V1.__init__(connector, vllm_config, KVConnectorRole.WORKER, None)
-    connector._scheduler = None
-    connector._worker = worker
-    connector._groups = None
-    return connector
 
 
 class Engine:

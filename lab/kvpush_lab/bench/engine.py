@@ -296,7 +296,7 @@ def _push_worker(engine: str, blocks: int, idle_wait: float) -> tuple[PushWorker
     return worker, arrays
 
 
-def _worker_connector(vllm_config: Any, worker: Any) -> Any:
+def worker_connector(vllm_config: Any, worker: Any) -> Any:
     """The worker role's real :class:`KvPushConnector` around ``worker``: its constructor reads
     TP and PP ranks from vLLM's distributed state, which this process has not set up, so the
     base class is initialised directly and the registered worker handed in."""
@@ -459,7 +459,7 @@ def run(connector: str, in_flight: int, requests: int, root: Path, seed: int = 0
     scheduler = _scheduler(_model_dir(root), connector, in_flight, extra)
     sched_timer, worker_timer = HookTimer(), HookTimer()
     sched_timer.wrap(scheduler.connector, SCHEDULER_HOOKS)
-    worker = _worker_connector(scheduler.vllm_config, d_worker) if d_worker else None
+    worker = worker_connector(scheduler.vllm_config, d_worker) if d_worker else None
     stand_in = None if worker else StandInWorker()
     if worker is not None:
         worker_timer.wrap(worker, WORKER_HOOKS)

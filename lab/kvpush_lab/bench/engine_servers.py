@@ -277,6 +277,12 @@ def analyse(connector: str, log_dir: Path, phases: Sequence[Phase]) -> list[dict
     return out
 
 
+def _in_flight(phase: str) -> int:
+    """A phase's requests in flight, from its name (``"64 in flight"``)."""
+    head = phase.split(" ", 1)[0]
+    return int(head) if head.isdigit() else 0
+
+
 def table(summaries: Sequence[dict[str, Any]]) -> report.Table:
     t = report.Table(
         [
@@ -289,7 +295,9 @@ def table(summaries: Sequence[dict[str, Any]]) -> report.Table:
             "idle: wall p50 / p99 (µs)",
         ]
     )
-    for s in sorted(summaries, key=lambda s: (s["phase"], s["server"] != "D", s["role"])):
+    for s in sorted(
+        summaries, key=lambda s: (_in_flight(s["phase"]), s["server"] != "D", s["role"])
+    ):
         c, i = s["computing"], s["idle"]
         t.add(
             s["phase"],
@@ -307,7 +315,9 @@ def client_table(summaries: Sequence[dict[str, Any]]) -> report.Table:
     """What the client saw in each phase, per connector."""
     t = report.Table(["phase", "connector", "TTFT p50 / p99 (ms)", "handover p50 (ms)"])
     seen = set()
-    for s in sorted(summaries, key=lambda s: (s["phase"], CONNECTORS.index(s["connector"]))):
+    for s in sorted(
+        summaries, key=lambda s: (_in_flight(s["phase"]), CONNECTORS.index(s["connector"]))
+    ):
         if (s["phase"], s["connector"]) in seen:
             continue
         seen.add((s["phase"], s["connector"]))
@@ -332,7 +342,8 @@ def verdicts(summaries: Sequence[dict[str, Any]]) -> list[str]:
             total[(s["phase"], s["server"], s["connector"])][0] += c["wall_p50"]
             total[(s["phase"], s["server"], s["connector"])][1] += c["cpu_p50"]
     lines = []
-    for phase, server in sorted({(k[0], k[1]) for k in total}, key=lambda k: (k[0], k[1] != "D")):
+    points = {(k[0], k[1]) for k in total}
+    for phase, server in sorted(points, key=lambda k: (_in_flight(k[0]), k[1] != "D")):
         mine = total.get((phase, server, KVPUSH))
         upstream = {
             c: total[(phase, server, c)]
@@ -400,8 +411,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument(
         "--bursts",
-        default="64",
-        help="comma-separated in-flight sizes of the burst phases (default 64)",
+        default="64,512",
+        help="comma-separated in-flight sizes of the burst phases (default 64,512), two "
+        "bursts each",
     )
 
 
