@@ -165,12 +165,12 @@ class Phase:
 
 
 def _servers(connector: str, model: Path, log_dir: Path, secret: str) -> tuple[VllmServer, ...]:
-    from kvpush_lab.bench.serving import BLOCK_SIZE, _kv_config
+    from kvpush_lab.bench.serving import BLOCK_SIZE, kv_config
 
     servers = []
     for name, role, cpu in (("P", "kv_producer", "0"), ("D", "kv_consumer", "1")):
         env = {ENV: str(log_dir / "hooks" / name)}
-        config = _kv_config(KVPUSH if connector == KVPUSH_WAIT else connector, role)
+        config = kv_config(KVPUSH if connector == KVPUSH_WAIT else connector, role)
         if connector.startswith(KVPUSH):
             env["KVPUSH_SECRET"] = secret
         if connector == KVPUSH_WAIT and config is not None:

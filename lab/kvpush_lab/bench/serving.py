@@ -159,7 +159,9 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def _kv_config(connector: str, role: str) -> dict[str, Any] | None:
+def kv_config(connector: str, role: str) -> dict[str, Any] | None:
+    """``--kv-transfer-config`` of a benchmark server with ``connector`` in ``role`` (None: no
+    connector)."""
     if connector == NO_CONNECTOR:
         return None
     config: dict[str, Any] = {"kv_role": role, "kv_buffer_device": "cpu"}
@@ -231,7 +233,7 @@ class ServingBench:
             self.model,
             log_dir,
             cpu="0",
-            kv_transfer_config=_kv_config(connector, "kv_producer"),
+            kv_transfer_config=kv_config(connector, "kv_producer"),
             **common,
         )
         decode = VllmServer(
@@ -239,7 +241,7 @@ class ServingBench:
             self.model,
             log_dir,
             cpu="1",
-            kv_transfer_config=_kv_config(connector, "kv_consumer"),
+            kv_transfer_config=kv_config(connector, "kv_consumer"),
             extra_args=["--no-enable-prefix-caching"],
             **common,
         )
