@@ -794,6 +794,17 @@ def test_a_secret_in_the_kv_transfer_config_stops_the_engine_at_startup(
     assert secret not in str(refused.value)
 
 
+@pytest.mark.parametrize("value", ["soon", -1, 51, None])
+def test_a_bad_idle_wait_ms_stops_the_engine_at_startup_naming_the_key(
+    vllm_config: Any, monkeypatch: pytest.MonkeyPatch, value: Any
+) -> None:
+    monkeypatch.setattr(
+        vllm_config.kv_transfer_config, "kv_connector_extra_config", {"idle_wait_ms": value}
+    )
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.idle_wait_ms must be"):
+        new_scheduler(vllm_config, "fail")
+
+
 def test_with_several_kv_cache_groups_a_failed_receive_is_reported_by_request_alone(
     vllm_config: Any, cache: CacheLayout
 ) -> None:
