@@ -432,8 +432,8 @@ class PushWorker:
         """Sends finished, receives finished (failed ones included), receives failed.
 
         In a step that computes nothing while transfers are outstanding, waits up to the
-        configured ``idle_wait_ms`` (:attr:`WorkerConfig.idle_wait`, 0 by default) for the next
-        of them to end, the first event ending the wait.
+        configured ``idle_wait_ms`` (:attr:`WorkerConfig.idle_wait`; by default none with one
+        worker, 2 ms with several) for the next of them to end, the first event ending it.
         """
         wait = self._config.idle_wait
         outstanding = bool(self._sending or self._recv_blocks)
