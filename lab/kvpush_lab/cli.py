@@ -97,7 +97,7 @@ def add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvpush_lab.bench import control, core, engine, idle, serving, suite, transfer
+    from kvpush_lab.bench import client, control, core, engine, idle, serving, suite, transfer
 
     bench = commands.add_parser(
         "bench",
@@ -115,6 +115,7 @@ def add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         ("control", control, "P's per-request control path and matching: kvpush vs vLLM's code"),
         ("engine", engine, "connector time per engine step on vLLM's scheduler, 1-512 in flight"),
         ("serving", serving, "kvpush vs vLLM's NixlPushConnector and NixlConnector, real servers"),
+        ("client", client, "vllm bench serve: P/D pairs behind kvpush proxy, aggregated floors"),
     ):
         command = benches.add_parser(
             name,
