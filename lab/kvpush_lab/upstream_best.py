@@ -38,7 +38,7 @@ def register() -> None:
     # importing NIXL here would pre-empt.
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
     try:
-        from nixl import _api
+        from nixl import _api  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return
     config = _api.nixl_agent_config
@@ -48,7 +48,10 @@ def register() -> None:
 
     @functools.wraps(original)
     def without_progress_thread(self: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs["enable_prog_thread"] = False
+        if args:  # enable_prog_thread is the first parameter
+            args = (False, *args[1:])
+        else:
+            kwargs["enable_prog_thread"] = False
         original(self, *args, **kwargs)
 
     without_progress_thread._kvpush_lab_no_progress = True  # type: ignore[attr-defined]

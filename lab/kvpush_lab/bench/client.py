@@ -60,12 +60,14 @@ from kvpush_lab.bench.serving import (
     _version,
     kv_config,
 )
+from kvpush_lab.bench.serving_cpu import measure
 from kvpush_lab.bench.serving_result import KVPUSH, NIXL_PULL, NIXL_PUSH
-from kvpush_lab.demo_vllm import default_home
+from kvpush_lab.demo_vllm import default_home, read_timelines, transfers_by_key
 from kvpush_lab.servers import (
     HOST,
     ServerError,
     VllmServer,
+    _prepare_child,
     free_port,
     shm_entries,
     stop_all,
@@ -85,6 +87,25 @@ SECTION = "vLLM's benchmark client (vllm bench serve)"
 #: Goodput SLOs (``--goodput``): a request is good if both hold.
 TTFT_SLO_MS = 1000.0
 TPOT_SLO_MS = 50.0
+
+
+#: kvpush's handover, stage by stage, from the connector's timelines (``KVPUSH_TIMELINE_DIR``):
+#: (name, from, to), each end ``p:<step>`` or ``d:<step>`` on P's send line or D's receive line.
+#: ``d:scheduled`` is when D's scheduler allocated the request's blocks (admitted it),
+#: ``p:scheduled`` when P's scheduler saw its prefill done: the first stage is about P's queue
+#: and prefill, which the transfer design does not touch.
+STAGES: tuple[tuple[str, str, str], ...] = (
+    ("D admitted → P's prefill done", "d:scheduled", "p:scheduled"),
+    ("P's prefill done → KV ready", "p:scheduled", "p:ready"),
+    ("D admitted after P's KV ready", "p:ready", "d:scheduled"),
+    ("registration at P after ready", "p:ready", "p:registered"),
+    ("matched → posted", "p:matched", "p:posted"),
+    ("posted → completed", "p:posted", "p:completed"),
+    ("completed → D holds all", "p:completed", "d:completed"),
+)
+TIMELINE_WAIT_S = 5.0
+#: Seconds a started system is watched with no request (after a settling second).
+IDLE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -207,6 +228,8 @@ class PointRun:
     throughput: float | None = None
     goodput: float | None = None
     p2p_share: float | None = None
+    #: kvpush only: each :data:`STAGES` stage of each transfer the point made (ms).
+    stages: dict[str, list[float]] = field(default_factory=dict)
     error: str | None = None
 
 
@@ -218,6 +241,9 @@ class ClientResult:
     capacity: dict[int, float] = field(default_factory=dict)
     runs: list[PointRun] = field(default_factory=list)
     orders: list[list[str]] = field(default_factory=list)
+    #: System -> cores its servers burned while idle after start, once per round (the proxy
+    #: and the client not included).
+    idle_cores: dict[str, list[float]] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
 
@@ -246,6 +272,7 @@ def _servers(system: System, model: Path, log_dir: Path, max_model_len: int) -> 
     env: dict[str, str] = {}
     if system.connector == KVPUSH:
         env["KVPUSH_SECRET"] = secrets.token_hex(16)
+        env["KVPUSH_TIMELINE_DIR"] = str(log_dir / "timelines")
     if system.best:
         env[PROGRESS_THREAD_ENV] = "off"
     assert system.connector is not None
@@ -302,7 +329,11 @@ def started(
         ]
         with (log_dir / "proxy.log").open("wb") as log:
             proxy = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_orphan_dies,
             )
         _wait_port(port, proxy)
         yield Running(f"http://{HOST}:{port}", tuple(servers), decode, proxy)
@@ -314,6 +345,12 @@ def started(
             except subprocess.TimeoutExpired:
                 proxy.kill()
         stop_all(servers, shm_before)
+
+
+def _orphan_dies() -> None:
+    """In the proxy's and the client's child before exec: SIGTERM when this process dies, as the
+    servers get (a benchmark killed mid-run leaves nothing running)."""
+    _prepare_child(None)
 
 
 def _wait_port(port: int, process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
@@ -328,6 +365,13 @@ def _wait_port(port: int, process: subprocess.Popen[bytes], timeout_s: float = 3
                 return
         time.sleep(0.1)
     raise ServerError(f"kvpush proxy not listening on port {port} after {timeout_s:g} s")
+
+
+def idle_cores(servers: Sequence[VllmServer], seconds: float = IDLE_S) -> float:
+    """Cores every process of ``servers`` burns together over ``seconds`` with no request."""
+    groups = {server.name: server.pid for server in servers if server.pid is not None}
+    time.sleep(1.0)
+    return sum(u.cores for u in measure(groups, seconds).values())
 
 
 # --- P's capacity ------------------------------------------------------------------------------
@@ -426,6 +470,7 @@ def run_point(
     run = PointRun(system.name, round_index, point, rate)
     before = (_metrics(running.decode), None) if running.decode is not None else None
     schedule_s = point.prompts / rate if rate else point.prompts * 2.0
+    window = (time.time(), math.inf)
     deadline_s = config.deadline_factor * schedule_s + 60.0
     with (log_dir / f"client-{tag}.log").open("wb") as log:
         process = subprocess.Popen(
@@ -434,6 +479,7 @@ def run_point(
             stderr=subprocess.STDOUT,
             env={**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
             start_new_session=True,
+            preexec_fn=_orphan_dies,
         )
         try:
             code = process.wait(deadline_s)
@@ -442,6 +488,9 @@ def run_point(
             process.wait()
             run.error = f"not finished within {deadline_s:.0f} s (saturated)"
             return run
+    window = (window[0], time.time())
+    if system.connector == KVPUSH:
+        run.stages = stages(log_dir / "timelines", window, point.prompts + config.warmups)
     if code != 0 or not out.exists():
         tail = (log_dir / f"client-{tag}.log").read_text(errors="replace").strip().splitlines()
         run.error = f"client exited with {code}: {tail[-1] if tail else 'no output'}"
@@ -467,6 +516,36 @@ def run_point(
         if source is not None and source.prompt_tokens:
             run.p2p_share = source.p2p_tokens / source.prompt_tokens
     return run
+
+
+def stages(directory: Path, window: tuple[float, float], expected: int) -> dict[str, list[float]]:
+    """Each :data:`STAGES` stage (ms) of every transfer P scheduled within ``window`` (unix
+    seconds) that both sides finished; waits up to :data:`TIMELINE_WAIT_S` for ``expected``
+    of them, since each server writes its line when its side ends."""
+    deadline = time.monotonic() + TIMELINE_WAIT_S
+    while True:
+        transfers = [
+            t
+            for t in transfers_by_key(read_timelines(directory)).values()
+            if t.send is not None
+            and t.receive is not None
+            and window[0] <= (t.p_at("scheduled") or 0.0) <= window[1]
+        ]
+        if len(transfers) >= expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    values: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    for transfer in transfers:
+        if transfer.outcome != "done":
+            continue
+        for name, start, end in STAGES:
+            ends = [
+                transfer.p_at(step) if side == "p" else transfer.d_at(step)
+                for side, _, step in (start.partition(":"), end.partition(":"))
+            ]
+            if ends[0] is not None and ends[1] is not None:
+                values[name].append(round((ends[1] - ends[0]) * 1e3, 3))
+    return values
 
 
 # --- the run -----------------------------------------------------------------------------------
@@ -514,6 +593,9 @@ def run(
                 log_dir = directory / f"{name}-r{round_index + 1}"
                 try:
                     with started(system, model, log_dir, config.max_model_len, say) as running:
+                        cores = idle_cores(running.servers)
+                        result.idle_cores.setdefault(name, []).append(cores)
+                        say(f"[{name}] idle: {cores:.2f} cores busy")
                         if not result.capacity:
                             for length in config.input_lens:
                                 cap = prefill_capacity(running.servers[0], model, length, vocab)
@@ -655,6 +737,22 @@ def points_table(summaries: Sequence[Summary]) -> report.Table:
             "-" if s.goodput is None else f"{s.goodput:.2f}",
             "-" if s.p2p_share is None else f"{s.p2p_share:.0%}",
         )
+    return t
+
+
+def stages_table(result: ClientResult) -> report.Table:
+    """kvpush's stages per point, pooled over rounds: median and p90 (ms)."""
+    t = report.Table(["point", "transfers", *[f"{name} p50 / p90 (ms)" for name, _, _ in STAGES]])
+    for point in result.config.points():
+        runs = [r for r in result.runs if r.system == KVPUSH and r.point == point and r.stages]
+        if not runs:
+            continue
+        pooled = {name: [v for r in runs for v in r.stages.get(name, [])] for name, _, _ in STAGES}
+        cells = []
+        for name, _, _ in STAGES:
+            p50, p90 = report.percentile(pooled[name], 50), report.percentile(pooled[name], 90)
+            cells.append("-" if p50 is None or p90 is None else f"{p50:.3g} / {p90:.3g}")
+        t.add(point.label, max(len(v) for v in pooled.values()), *cells)
     return t
 
 
@@ -867,6 +965,19 @@ def markdown(result: ClientResult, doc: Path, command: str) -> str:
         "",
         points_table(summaries).markdown(),
         "",
+        "Cores the servers burn while idle, just started (mean over rounds; the spin of NIXL's "
+        "progress thread shows here): "
+        + "; ".join(
+            f"{name} {statistics.fmean(v):.2f}" for name, v in result.idle_cores.items() if v
+        )
+        + ".",
+        "",
+        "kvpush's handover stage by stage, from the connector's timelines (negative: the "
+        "second event came first; `D admitted after P's KV ready` late means D's scheduler "
+        "admitted the request after P had finished, so push's overlap was lost):",
+        "",
+        stages_table(result).markdown(),
+        "",
         *[f"![{p.stem}](img/{p.name})" for p in img],
     ]
     return "\n".join(lines)
@@ -936,10 +1047,12 @@ def config_from_args(args: argparse.Namespace) -> ClientConfig:
 
 
 def load(path: Path) -> ClientResult:
+    """A result :meth:`ClientResult.save` wrote."""
     data = json.loads(path.read_text())
-    config = ClientConfig(
-        **{k: tuple(v) if isinstance(v, list) else v for k, v in data["config"].items()}
-    )
+    fields: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in data["config"].items()
+    }
+    config = ClientConfig(**fields)
     runs = []
     for r in data["runs"]:
         r["point"] = Point(**r["point"])
@@ -965,6 +1078,8 @@ def main(args: argparse.Namespace) -> int:
     print(points_table(summaries).text())
     print()
     print(goals_table(summaries, points).text())
+    print()
+    print(stages_table(result).text())
     for line in verdicts(summaries, points):
         print(f"  {line}")
     if args.markdown is not None:

@@ -10,7 +10,9 @@ The steps, in order (cheap and self-contained first, the vLLM servers last):
 * ``transfer``: the data path against plain NIXL WRITEs, UCX's default transports and tcp;
 * ``serving``: kvpush vs vLLM's NixlPushConnector and NixlConnector on real vLLM pairs;
 * ``engine-servers``: the connectors' time per engine step on real vLLM pairs, every hook timed
-  in the servers' processes.
+  in the servers' processes;
+* ``client``: vLLM's own benchmark client (``vllm bench serve``) against every pair behind
+  ``kvpush proxy``, upstream as shipped and at its best, and the aggregated floors.
 
 A step that fails is reported and the others still run; the exit status says whether all ran.
 They need vLLM and NIXL's Python API (``scripts/dev bench`` runs them in ``.venv-vllm``), and
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from kvpush_lab.bench import report
 
-STEPS = ("core", "control", "engine", "idle", "transfer", "serving", "engine-servers")
+STEPS = ("core", "control", "engine", "idle", "transfer", "serving", "engine-servers", "client")
 
 
 def _core(doc: Path, quick: bool) -> int:
@@ -85,6 +87,14 @@ def _engine_servers(doc: Path, quick: bool) -> int:
     return engine.main(parser.parse_args(argv))
 
 
+def _client(doc: Path, quick: bool) -> int:
+    from kvpush_lab.bench import client
+
+    parser = argparse.ArgumentParser()
+    client.add_arguments(parser)
+    return client.main(parser.parse_args(["--markdown", str(doc), *(["--quick"] if quick else [])]))
+
+
 RUNNERS: dict[str, Callable[[Path, bool], int]] = {
     "core": _core,
     "control": _control,
@@ -93,6 +103,7 @@ RUNNERS: dict[str, Callable[[Path, bool], int]] = {
     "transfer": _transfer,
     "serving": _serving,
     "engine-servers": _engine_servers,
+    "client": _client,
 }
 
 

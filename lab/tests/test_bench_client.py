@@ -1,0 +1,227 @@
+"""``kvpush bench client``'s reading of vLLM's benchmark client: what it sends the client, how it
+pools rounds, which upstream counts as the better one, and what it says about each goal (met,
+not met, or not measured, never a verdict from missing data). The runs themselves are in
+``tests/e2e/test_bench_client.py``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush_lab import upstream_best
+from kvpush_lab.bench import client
+from kvpush_lab.bench.client import (
+    FLOOR_ONE,
+    FLOOR_TWO,
+    ClientConfig,
+    ClientResult,
+    Point,
+    PointRun,
+)
+from kvpush_lab.bench.serving_result import KVPUSH
+
+CONFIG = ClientConfig(
+    systems=(FLOOR_ONE, FLOOR_TWO, KVPUSH, "NixlConnector", "NixlConnector-best"),
+    input_lens=(1024,),
+    loads=(0.25, 0.8),
+    concurrencies=(),
+    prompts=4,
+    headline_prompts=4,
+    rounds=2,
+)
+LIGHT, NEAR = CONFIG.points()
+
+
+def _run(
+    system: str, point: Point, ttft_ms: float, tpot_ms: float, round_index: int = 0
+) -> PointRun:
+    return PointRun(
+        system,
+        round_index,
+        point,
+        rate=1.0,
+        completed=point.prompts,
+        ttft=[ttft_ms / 1e3] * point.prompts,
+        tpot=[tpot_ms / 1e3] * point.prompts,
+    )
+
+
+def _result(*runs: PointRun) -> ClientResult:
+    return ClientResult(CONFIG, "2026-12-06T00:00:00", "/tmp/x", {1024: 20.0}, list(runs))
+
+
+def test_the_headline_points_get_more_prompts_and_the_concurrency_sweep_its_own_points() -> None:
+    config = ClientConfig(input_lens=(1024, 4096, 8192), loads=(0.25, 0.5, 0.8, 1.1))
+    points = config.points()
+    big = {(p.input_len, p.load) for p in points if p.prompts == config.headline_prompts}
+    assert big == {(1024, 0.25), (1024, 0.8), (4096, 0.25), (4096, 0.8)}
+    assert [p.concurrency for p in points if p.concurrency is not None] == [1, 4, 16]
+    assert all(p.input_len == 1024 for p in points if p.concurrency is not None)
+
+
+def test_a_config_without_the_one_core_floor_or_with_an_unknown_system_is_refused() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        ClientConfig(systems=(KVPUSH,)).validate()
+    with pytest.raises(ValueError, match="unknown system"):
+        ClientConfig(systems=(FLOOR_ONE, "LMCache")).validate()
+    with pytest.raises(ValueError, match="max-model-len"):
+        ClientConfig(input_lens=(16384,)).validate()
+
+
+def test_the_client_gets_vllms_own_options_and_a_rate_only_for_poisson_points() -> None:
+    out = Path("/tmp/r/client-x.json")
+    command = client.client_command("http://h:1", Path("/m"), LIGHT, 2.5, CONFIG, out)
+    assert command[:2] == [sys.executable, "-c"]
+    assert "from vllm.benchmarks.serve import add_cli_args, main" in command[2]
+    args = command[3:]
+    for flag, value in (
+        ("--base-url", "http://h:1"),
+        ("--dataset-name", "random"),
+        ("--random-input-len", "1024"),
+        ("--random-output-len", "128"),
+        ("--request-rate", "2.5000"),
+        ("--result-filename", "client-x.json"),
+    ):
+        assert args[args.index(flag) + 1] == value
+    assert {"--ignore-eos", "--save-detailed", "--save-result"} <= set(args)
+    closed = client.client_command(
+        "http://h:1", Path("/m"), Point(1024, 4, concurrency=4), None, CONFIG, out
+    )
+    assert "--request-rate" not in closed
+    assert closed[closed.index("--max-concurrency") + 1] == "4"
+
+
+def test_rounds_are_pooled_and_their_spread_kept() -> None:
+    result = _result(_run(KVPUSH, LIGHT, 40, 5, 0), _run(KVPUSH, LIGHT, 60, 5, 1))
+    (summary,) = client.summarize(result)
+    assert summary.sent == 8
+    assert summary.completed == 8
+    assert summary.round_ttft_p50 == [0.04, 0.06]
+    assert summary.q("ttft", 50) == pytest.approx(0.05)
+
+
+def test_the_better_upstream_is_the_lower_one_and_one_that_did_not_finish_never_wins() -> None:
+    stuck = _run("NixlConnector-best", LIGHT, 10, 1)
+    stuck.error = "not finished within 90 s (saturated)"
+    summaries = client.summarize(_result(_run("NixlConnector", LIGHT, 200, 12), stuck))
+    assert client._better_upstream(summaries, LIGHT, "ttft", 50) == ("NixlConnector", 0.2)
+
+
+def test_each_goal_is_met_not_met_or_not_measured_from_the_run_alone() -> None:
+    runs = [
+        _run(FLOOR_ONE, LIGHT, 40, 4),
+        _run(FLOOR_ONE, NEAR, 400, 20),
+        _run(FLOOR_TWO, LIGHT, 30, 3),
+        _run(FLOOR_TWO, NEAR, 90, 9),
+        _run(KVPUSH, LIGHT, 42, 5),
+        _run(KVPUSH, NEAR, 100, 6),
+        _run("NixlConnector", LIGHT, 100, 10),
+        _run("NixlConnector", NEAR, 80, 10),
+    ]
+    lines = client.verdicts(client.summarize(_result(*runs)), CONFIG.points())
+    assert lines[0] == "TTFT p50 at 1024 in at 0.25x <= 1.1x aggregated-1core's: 1.05x, met"
+    assert lines[1] == (
+        "TPOT p99 at 1024 in below aggregated-2core's: from 0.8x P's capacity on (the crossover)"
+    )
+    assert lines[2].startswith("TTFT and TPOT p99 never worse than the better upstream's: not met")
+    assert "TTFT p99 at 1024 in at 0.8x (1.25x NixlConnector)" in lines[2]
+    assert "not measured by vLLM's client" in lines[3]
+
+    lonely = client.verdicts(client.summarize(_result(_run(KVPUSH, LIGHT, 42, 5))), CONFIG.points())
+    assert lonely[0].endswith("not measured")
+    assert lonely[1].endswith("not measured")
+    assert lonely[2].endswith("not measured")
+
+
+def test_a_saved_result_reads_back_the_same(tmp_path: Path) -> None:
+    run = _run(KVPUSH, NEAR, 50, 5)
+    run.stages = {"posted → completed": [0.1, 0.2]}
+    result = _result(run)
+    path = tmp_path / "client.json"
+    result.save(path)
+    again = client.load(path)
+    assert again.config == CONFIG
+    assert again.capacity == {1024: 20.0}
+    assert again.runs == [run]
+
+
+def test_the_stages_come_from_both_sides_timelines_within_the_points_window(tmp_path: Path) -> None:
+    def lines(key: str, at: float, outcome: str = "done") -> list[dict[str, Any]]:
+        send = {
+            "role": "send",
+            "key": key,
+            "outcome": outcome,
+            "wall": {
+                "scheduled": at,
+                "ready": at + 0.002,
+                "registered": at - 0.03,
+                "matched": at + 0.002,
+                "posted": at + 0.0025,
+                "completed": at + 0.003,
+            },
+        }
+        receive = {
+            "role": "receive",
+            "key": key,
+            "outcome": "done",
+            "wall": {"scheduled": at - 0.032, "registered": at - 0.031, "completed": at + 0.004},
+        }
+        return [send, receive]
+
+    records = lines("in", 100.0) + lines("before", 50.0) + lines("failed", 100.5, "failed")
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    stages = client.stages(tmp_path, (99.0, 101.0), expected=2)
+    assert stages["D admitted → P's prefill done"] == [32.0]
+    assert stages["posted → completed"] == [0.5]
+    assert stages["D admitted after P's KV ready"] == [-34.0]
+
+
+def test_quick_mode_is_small_and_options_override_it() -> None:
+    parser = argparse.ArgumentParser()
+    client.add_arguments(parser)
+    quick = client.config_from_args(parser.parse_args(["--quick"]))
+    assert quick.systems == (FLOOR_ONE, KVPUSH)
+    assert quick.rounds == 1
+    custom = client.config_from_args(
+        parser.parse_args(["--input-lens", "1024,2048", "--rounds", "3"])
+    )
+    assert custom.input_lens == (1024, 2048)
+    assert custom.rounds == 3
+    assert custom.max_model_len >= 2048 + custom.output_len
+
+
+def test_the_best_upstream_plugin_turns_nixls_progress_thread_off_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class AgentConfig:
+        def __init__(self, enable_prog_thread: bool = True, num_threads: int = 0) -> None:
+            self.enable_prog_thread = enable_prog_thread
+            self.num_threads = num_threads
+
+    fake = types.ModuleType("nixl._api")
+    fake.nixl_agent_config = AgentConfig  # type: ignore[attr-defined]
+    package = types.ModuleType("nixl")
+    package._api = fake  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nixl", package)
+    monkeypatch.setitem(sys.modules, "nixl._api", fake)
+
+    monkeypatch.delenv(upstream_best.ENV, raising=False)
+    upstream_best.register()
+    assert AgentConfig().enable_prog_thread, "unset: NIXL's default"
+
+    monkeypatch.setenv(upstream_best.ENV, "off")
+    upstream_best.register()
+    upstream_best.register()  # loaded twice in one process: still one wrapper
+    assert not AgentConfig(num_threads=4).enable_prog_thread
+    assert not AgentConfig(True, 4).enable_prog_thread
+    assert AgentConfig(num_threads=4).num_threads == 4
+
+    monkeypatch.setenv(upstream_best.ENV, "on")
+    with pytest.raises(ValueError, match="KVPUSH_LAB_NIXL_PROGRESS_THREAD"):
+        upstream_best.register()
