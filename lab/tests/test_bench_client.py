@@ -225,3 +225,13 @@ def test_the_best_upstream_plugin_turns_nixls_progress_thread_off_only_when_aske
     monkeypatch.setenv(upstream_best.ENV, "on")
     with pytest.raises(ValueError, match="KVPUSH_LAB_NIXL_PROGRESS_THREAD"):
         upstream_best.register()
+
+
+def test_no_point_replays_anothers_prompts_and_every_system_gets_the_same_ones() -> None:
+    config = ClientConfig()
+    seeds = [client.point_seed(p) for p in config.points()]
+    assert len(set(seeds)) == len(seeds)
+    out = Path("/tmp/r/c.json")
+    a = client.client_command("http://a:1", Path("/m"), LIGHT, 1.0, CONFIG, out)
+    b = client.client_command("http://b:2", Path("/m"), LIGHT, 1.0, CONFIG, out)
+    assert a[a.index("--seed") + 1] == b[b.index("--seed") + 1]

@@ -55,6 +55,7 @@ from kvpush_lab.bench.serving import (
     BLOCK_SIZE,
     PREFILL_ENGINE,
     START_TIMEOUT_S,
+    _csv,
     _kv_source,
     _metrics,
     _version,
@@ -266,7 +267,13 @@ class Running:
 
 
 def _servers(system: System, model: Path, log_dir: Path, max_model_len: int) -> list[VllmServer]:
-    common: dict[str, Any] = {"max_model_len": max_model_len, "block_size": BLOCK_SIZE}
+    # No prefix caching anywhere: the client's warm-ups repeat its first prompt, and a cache hit
+    # would skip the very prefill (and transfer) being measured.
+    common: dict[str, Any] = {
+        "max_model_len": max_model_len,
+        "block_size": BLOCK_SIZE,
+        "extra_args": ["--no-enable-prefix-caching"],
+    }
     if system.aggregated:
         return [VllmServer("A", model, log_dir, cpu=system.cpus, **common)]
     env: dict[str, str] = {}
@@ -284,7 +291,6 @@ def _servers(system: System, model: Path, log_dir: Path, max_model_len: int) -> 
             cpu=cpu,
             kv_transfer_config=kv_config(system.connector, role),
             extra_env=env,
-            extra_args=["--no-enable-prefix-caching"] if name == "D" else [],
             **common,
         )
         for name, role, cpu in (("P", "kv_producer", "0"), ("D", "kv_consumer", "1"))
@@ -399,6 +405,12 @@ def prefill_capacity(server: VllmServer, model: Path, length: int, vocab: int) -
 # --- the client --------------------------------------------------------------------------------
 
 
+def point_seed(point: Point) -> int:
+    """The dataset seed's offset for ``point``: the same at every system and round, different
+    between points, so no point replays another's prompts."""
+    return point.input_len * 1000 + round((point.load or 0.0) * 100) + (point.concurrency or 0) * 7
+
+
 def client_command(
     url: str, model: Path, point: Point, rate: float | None, config: ClientConfig, out: Path
 ) -> list[str]:
@@ -429,7 +441,7 @@ def client_command(
         "--num-warmups",
         str(config.warmups),
         "--seed",
-        str(config.seed),
+        str(config.seed + point_seed(point)),
         "--percentile-metrics",
         "ttft,tpot,itl,e2el",
         "--metric-percentiles",
@@ -984,16 +996,6 @@ def markdown(result: ClientResult, doc: Path, command: str) -> str:
 
 
 # --- command line ------------------------------------------------------------------------------
-
-
-def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
-    def parse(text: str) -> tuple[Any, ...]:
-        try:
-            return tuple(kind(x) for x in text.split(",") if x.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated values") from None
-
-    return parse
 
 
 QUICK = ClientConfig(
