@@ -49,6 +49,7 @@ def _run(
         completed=point.prompts,
         ttft=[ttft_ms / 1e3] * point.prompts,
         tpot=[tpot_ms / 1e3] * point.prompts,
+        handover=[] if system.startswith("aggregated") else [ttft_ms / 1e4] * point.prompts,
     )
 
 
@@ -131,7 +132,9 @@ def test_each_goal_is_met_not_met_or_not_measured_from_the_run_alone() -> None:
     )
     assert lines[2].startswith("TTFT and TPOT p99 never worse than the better upstream's: not met")
     assert "TTFT p99 at 1024 in at 0.8x (1.25x NixlConnector)" in lines[2]
-    assert "not measured by vLLM's client" in lines[3]
+    assert lines[3] == (
+        "Handover p50 <= 0.5x the better upstream's: not met: 1024 in at 0.8x (1.25x NixlConnector)"
+    )
 
     lonely = client.verdicts(client.summarize(_result(_run(KVPUSH, LIGHT, 42, 5))), CONFIG.points())
     assert lonely[0].endswith("not measured")
@@ -235,3 +238,17 @@ def test_no_point_replays_anothers_prompts_and_every_system_gets_the_same_ones()
     a = client.client_command("http://a:1", Path("/m"), LIGHT, 1.0, CONFIG, out)
     b = client.client_command("http://b:2", Path("/m"), LIGHT, 1.0, CONFIG, out)
     assert a[a.index("--seed") + 1] == b[b.index("--seed") + 1]
+
+
+def test_the_proxys_request_lines_give_each_requests_p_leg_and_first_byte(tmp_path: Path) -> None:
+    log = tmp_path / "proxy.log"
+    ok = (
+        "2026-12-06 12:37:32,142 INFO kvpush.router: request 5b3f transfer 3aa6 push "
+        "/v1/completions -> 200 | prefill http://127.0.0.1:23632 200 0.233 s | decode "
+        "http://127.0.0.1:21340 200 first byte 0.269 s | 0.342 s\n"
+    )
+    failed = ok.replace("-> 200", "-> 502").replace("INFO", "WARNING")
+    serial = ok.replace("0.233 s", "0.100 s (serial: learned P's coordinates)")
+    log.write_text(ok + failed + serial)
+    assert client.proxy_legs(log, 0) == [(0.233, 0.269), (0.1, 0.269)]
+    assert client.proxy_legs(log, len(ok)) == [(0.1, 0.269)]

@@ -46,6 +46,8 @@ def test_vllms_client_runs_against_every_system_and_the_section_is_written(tmp_p
         assert len(run["ttft"]) == run["completed"], system
     for pair in ("kvpush", "NixlConnector-best"):
         assert runs[pair]["p2p_share"] == pytest.approx(1.0), f"{pair} recomputed prompts"
+        # The proxy's request log gives every request's P leg and handover.
+        assert len(runs[pair]["handover"]) == runs[pair]["completed"], pair
     # NIXL's progress thread spins a whole core while it runs; with it off, upstream's idle pair
     # burns a fraction of one.
     assert result["idle_cores"]["NixlConnector-best"][0] < 0.5, result["idle_cores"]
