@@ -37,6 +37,7 @@ import json
 import math
 import os
 import re
+import resource
 import secrets
 import shlex
 import signal
@@ -49,6 +50,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 import kvpush
 from kvpush_lab.bench import report
@@ -240,6 +243,10 @@ class PointRun:
     #: byte), seconds, from the proxy's request log.
     p_leg: list[float] = field(default_factory=list)
     handover: list[float] = field(default_factory=list)
+    #: Cores vLLM's client and the proxy used while the point ran (they share the machine with
+    #: the servers).
+    client_cores: float | None = None
+    proxy_cores: float | None = None
     #: kvpush only: each :data:`STAGES` stage of each transfer the point made (ms).
     stages: dict[str, list[float]] = field(default_factory=dict)
     error: str | None = None
@@ -497,6 +504,8 @@ def run_point(
     schedule_s = point.prompts / rate if rate else point.prompts * 2.0
     window = (time.time(), math.inf)
     proxy_from = _size(running.proxy_log)
+    proxy_cpu = _cpu_seconds(running.proxy)
+    children_cpu = _children_cpu_seconds()
     deadline_s = config.deadline_factor * schedule_s + 60.0
     with (log_dir / f"client-{tag}.log").open("wb") as log:
         process = subprocess.Popen(
@@ -515,6 +524,10 @@ def run_point(
             run.error = f"not finished within {deadline_s:.0f} s (saturated)"
             return run
     window = (window[0], time.time())
+    wall = window[1] - window[0]
+    run.client_cores = (_children_cpu_seconds() - children_cpu) / wall
+    if running.proxy is not None:
+        run.proxy_cores = (_cpu_seconds(running.proxy) - proxy_cpu) / wall
     if running.proxy_log is not None:
         legs = proxy_legs(running.proxy_log, proxy_from)[config.warmups :]
         run.p_leg = [p for p, _ in legs]
@@ -554,6 +567,23 @@ PROXY_LINE = re.compile(
     r"request \S+ transfer \S+ (?:push|pull) \S+ -> 200 \| prefill \S+ 200 ([0-9.]+) s.*?"
     r"\| decode \S+ 200 first byte ([0-9.]+) s"
 )
+
+
+def _cpu_seconds(process: subprocess.Popen[bytes] | None) -> float:
+    """User + system CPU seconds of a running child (0 once it is gone)."""
+    if process is None:
+        return 0.0
+    try:
+        times = psutil.Process(process.pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return float(times.user + times.system)
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of every child this process has waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _size(path: Path | None) -> int:
@@ -713,6 +743,8 @@ class Summary:
     goodput: float | None
     p2p_share: float | None
     errors: list[str]
+    client_cores: float | None = None
+    proxy_cores: float | None = None
 
     def q(self, metric: str, pct: float) -> float | None:
         return report.percentile(getattr(self, metric), pct)
@@ -742,6 +774,8 @@ def summarize(result: ClientResult) -> list[Summary]:
                     _mean([r.goodput for r in done]),
                     _mean([r.p2p_share for r in done]),
                     sorted({r.error for r in runs if r.error}),
+                    _mean([r.client_cores for r in done]),
+                    _mean([r.proxy_cores for r in done]),
                 )
             )
     return summaries
@@ -774,6 +808,7 @@ def points_table(summaries: Sequence[Summary]) -> report.Table:
             "req/s",
             "goodput (req/s)",
             "over p2p",
+            "client / proxy cores",
         ]
     )
     for s in summaries:
@@ -798,6 +833,7 @@ def points_table(summaries: Sequence[Summary]) -> report.Table:
             "-" if s.throughput is None else f"{s.throughput:.2f}",
             "-" if s.goodput is None else f"{s.goodput:.2f}",
             "-" if s.p2p_share is None else f"{s.p2p_share:.0%}",
+            " / ".join("-" if c is None else f"{c:.2f}" for c in (s.client_cores, s.proxy_cores)),
         )
     return t
 
@@ -1019,7 +1055,10 @@ def markdown(result: ClientResult, doc: Path, command: str) -> str:
         "(whether it pays). Upstream as shipped and `-best`: NIXL's progress thread off in its "
         "servers (`kvpush_lab.upstream_best`), which otherwise spins the engine's only core; "
         "each goal is judged against the better of the two. The client, the proxy and the "
-        "servers share the machine's two cores. **P leg** and **handover** come from the "
+        "servers share the machine's two cores (`client / proxy cores`: how much of them vLLM's "
+        "client and the proxy took during the point; on a real deployment both run elsewhere, "
+        "while here they take CPU from P and D that the one-core floor's server never gives "
+        "up). **P leg** and **handover** come from the "
         "proxy's log line per request (P's answer, D's first byte after the request came in): "
         "handover is D's first token minus P's answer, for pull D's request, READ and first "
         "step, for push whatever of the WRITE and D's first step is left after P answered.",
