@@ -16,14 +16,15 @@ from typing import Any
 import pytest
 
 from kvpush_lab import upstream_best
-from kvpush_lab.bench import client
-from kvpush_lab.bench.client import (
+from kvpush_lab.bench import client, client_report
+from kvpush_lab.bench.client_result import (
     FLOOR_ONE,
     FLOOR_TWO,
     ClientConfig,
     ClientResult,
     Point,
     PointRun,
+    load,
 )
 from kvpush_lab.bench.serving_result import KVPUSH
 
@@ -106,7 +107,7 @@ def test_the_client_gets_vllms_own_options_and_a_rate_only_for_poisson_points() 
 
 def test_rounds_are_pooled_and_their_spread_kept() -> None:
     result = _result(_run(KVPUSH, LIGHT, 40, 5, 0), _run(KVPUSH, LIGHT, 60, 5, 1))
-    (summary,) = client.summarize(result)
+    (summary,) = client_report.summarize(result)
     assert summary.sent == 8
     assert summary.completed == 8
     assert summary.round_ttft_p50 == [0.04, 0.06]
@@ -116,8 +117,8 @@ def test_rounds_are_pooled_and_their_spread_kept() -> None:
 def test_the_better_upstream_is_the_lower_one_and_one_that_did_not_finish_never_wins() -> None:
     stuck = _run("NixlConnector-best", LIGHT, 10, 1)
     stuck.error = "not finished within 90 s (saturated)"
-    summaries = client.summarize(_result(_run("NixlConnector", LIGHT, 200, 12), stuck))
-    assert client._better_upstream(summaries, LIGHT, "ttft", 50) == ("NixlConnector", 0.2)
+    summaries = client_report.summarize(_result(_run("NixlConnector", LIGHT, 200, 12), stuck))
+    assert client_report._better_upstream(summaries, LIGHT, "ttft", 50) == ("NixlConnector", 0.2)
 
 
 def test_each_goal_is_met_not_met_or_not_measured_from_the_run_alone() -> None:
@@ -131,7 +132,7 @@ def test_each_goal_is_met_not_met_or_not_measured_from_the_run_alone() -> None:
         _run("NixlConnector", LIGHT, 100, 10),
         _run("NixlConnector", NEAR, 80, 10),
     ]
-    lines = client.verdicts(client.summarize(_result(*runs)), CONFIG.points())
+    lines = client_report.verdicts(client_report.summarize(_result(*runs)), CONFIG.points())
     assert lines[0] == "TTFT p50 at 1024 in at 0.25x <= 1.1x aggregated-1core's: 1.05x, met"
     assert lines[1] == (
         "TPOT p99 at 1024 in below aggregated-2core's: from 0.8x P's capacity on (the crossover)"
@@ -142,7 +143,9 @@ def test_each_goal_is_met_not_met_or_not_measured_from_the_run_alone() -> None:
         "Handover p50 <= 0.5x the better upstream's: not met: 1024 in at 0.8x (1.25x NixlConnector)"
     )
 
-    lonely = client.verdicts(client.summarize(_result(_run(KVPUSH, LIGHT, 42, 5))), CONFIG.points())
+    lonely = client_report.verdicts(
+        client_report.summarize(_result(_run(KVPUSH, LIGHT, 42, 5))), CONFIG.points()
+    )
     assert lonely[0].endswith("not measured")
     assert lonely[1].endswith("not measured")
     assert lonely[2].endswith("not measured")
@@ -154,7 +157,7 @@ def test_a_saved_result_reads_back_the_same(tmp_path: Path) -> None:
     result = _result(run)
     path = tmp_path / "client.json"
     result.save(path)
-    again = client.load(path)
+    again = load(path)
     assert again.config == CONFIG
     assert again.capacity == {1024: 20.0}
     assert again.runs == [run]
