@@ -208,33 +208,72 @@ def test_quick_mode_is_small_and_options_override_it() -> None:
     assert custom.max_model_len >= 2048 + custom.output_len
 
 
-def test_the_best_upstream_plugin_turns_nixls_progress_thread_off_only_when_asked(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _fake_nixl(monkeypatch: pytest.MonkeyPatch) -> tuple[type, list[int]]:
+    """A stand-in for ``nixl._api``: its agent config class and the poll delays agents got."""
+
     class AgentConfig:
         def __init__(self, enable_prog_thread: bool = True, num_threads: int = 0) -> None:
             self.enable_prog_thread = enable_prog_thread
             self.num_threads = num_threads
 
+    delays: list[int] = []
+
+    def agent(name: str, config: Any) -> str:
+        delays.append(config.pthrDelay)
+        return name
+
     fake = types.ModuleType("nixl._api")
     fake.nixl_agent_config = AgentConfig  # type: ignore[attr-defined]
+    fake.nixlBind = types.SimpleNamespace(nixlAgent=agent)  # type: ignore[attr-defined]
     package = types.ModuleType("nixl")
     package._api = fake  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "nixl", package)
     monkeypatch.setitem(sys.modules, "nixl._api", fake)
+    return AgentConfig, delays
 
+
+def _make_agent(name: str) -> None:
+    """What ``nixl_agent.__init__`` does: a bindings config with delay 0, then the agent."""
+    config = types.SimpleNamespace(pthrDelay=0)
+    sys.modules["nixl._api"].nixlBind.nixlAgent(name, config)
+
+
+def test_the_upstream_plugin_turns_nixls_progress_thread_off_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent_config, delays = _fake_nixl(monkeypatch)
     monkeypatch.delenv(upstream_best.ENV, raising=False)
     upstream_best.register()
-    assert AgentConfig().enable_prog_thread, "unset: NIXL's default"
+    assert agent_config().enable_prog_thread, "unset: NIXL's default"
+    _make_agent("a")
+    assert delays == [0]
 
     monkeypatch.setenv(upstream_best.ENV, "off")
     upstream_best.register()
     upstream_best.register()  # loaded twice in one process: still one wrapper
-    assert not AgentConfig(num_threads=4).enable_prog_thread
-    assert not AgentConfig(True, 4).enable_prog_thread
-    assert AgentConfig(num_threads=4).num_threads == 4
+    assert not agent_config(num_threads=4).enable_prog_thread
+    assert not agent_config(True, 4).enable_prog_thread
+    assert agent_config(num_threads=4).num_threads == 4
 
-    monkeypatch.setenv(upstream_best.ENV, "on")
+
+def test_the_upstream_plugin_sets_the_progress_threads_poll_delay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent_config, delays = _fake_nixl(monkeypatch)
+    monkeypatch.setenv(upstream_best.ENV, "poll:1000")
+    upstream_best.register()
+    upstream_best.register()
+    _make_agent("a")
+    assert delays == [1000]
+    assert agent_config().enable_prog_thread
+
+
+@pytest.mark.parametrize("value", ["on", "poll", "poll:0", "poll:-5", "poll:1ms"])
+def test_the_upstream_plugin_refuses_what_it_does_not_know(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    _fake_nixl(monkeypatch)
+    monkeypatch.setenv(upstream_best.ENV, value)
     with pytest.raises(ValueError, match="KVPUSH_LAB_NIXL_PROGRESS_THREAD"):
         upstream_best.register()
 

@@ -15,8 +15,9 @@ systems it is pointed at:
   server on core 1 (:mod:`kvpush_lab.servers`) behind ``kvpush proxy`` (push routing for the push
   connectors, pull routing for ``NixlConnector``), the upstream connectors as shipped;
 * ``NixlConnector-best``, ``NixlPushConnector-best``: the same with NIXL's progress thread off in
-  the servers' processes (:mod:`kvpush_lab.upstream_best`), the upstream connectors at their best
-  on one core per engine.
+  the servers' processes (:mod:`kvpush_lab.upstream_best`), so it does not spin the engine's one
+  core; ``-poll`` (an option): the thread on, polling every millisecond instead of spinning.
+  Each goal is judged against the best upstream figure of whichever of them ran.
 
 Rates are multiples of P's prefill capacity at each input length, measured first on the one-core
 aggregated server (one prompt at a time, ``max_tokens`` 1). Systems are interleaved over rounds
@@ -143,8 +144,8 @@ def _servers(system: System, model: Path, log_dir: Path, max_model_len: int) -> 
     if system.connector == KVPUSH:
         env["KVPUSH_SECRET"] = secrets.token_hex(16)
         env["KVPUSH_TIMELINE_DIR"] = str(log_dir / "timelines")
-    if system.best:
-        env[PROGRESS_THREAD_ENV] = "off"
+    if system.progress is not None:
+        env[PROGRESS_THREAD_ENV] = system.progress
     assert system.connector is not None
     return [
         VllmServer(

@@ -44,8 +44,9 @@ class System:
     connector: str | None = None
     #: An aggregated server's CPUs.
     cpus: str = "0"
-    #: Upstream with NIXL's progress thread off.
-    best: bool = False
+    #: Upstream tuned: ``KVPUSH_LAB_NIXL_PROGRESS_THREAD`` in its servers
+    #: (:mod:`kvpush_lab.upstream_best`: ``off``, or ``poll:<µs>``); None: as shipped.
+    progress: str | None = None
 
     @property
     def aggregated(self) -> bool:
@@ -56,6 +57,9 @@ class System:
         return "pull" if self.connector == NIXL_PULL else "push"
 
 
+#: The ``-poll`` variants' NIXL progress thread poll delay (µs).
+POLL_US = 1000
+
 SYSTEMS = {
     s.name: s
     for s in (
@@ -63,11 +67,15 @@ SYSTEMS = {
         System("aggregated-2core", cpus="0-1"),
         System(KVPUSH, KVPUSH),
         System(NIXL_PULL, NIXL_PULL),
-        System(f"{NIXL_PULL}-best", NIXL_PULL, best=True),
+        System(f"{NIXL_PULL}-best", NIXL_PULL, progress="off"),
         System(NIXL_PUSH, NIXL_PUSH),
-        System(f"{NIXL_PUSH}-best", NIXL_PUSH, best=True),
+        System(f"{NIXL_PUSH}-best", NIXL_PUSH, progress="off"),
+        System(f"{NIXL_PULL}-poll", NIXL_PULL, progress=f"poll:{POLL_US}"),
+        System(f"{NIXL_PUSH}-poll", NIXL_PUSH, progress=f"poll:{POLL_US}"),
     )
 }
+#: What a run compares unless told otherwise: the ``-poll`` variants are options.
+DEFAULT_SYSTEMS = tuple(name for name in SYSTEMS if not name.endswith("-poll"))
 FLOOR_ONE = "aggregated-1core"
 FLOOR_TWO = "aggregated-2core"
 UPSTREAM = tuple(name for name, s in SYSTEMS.items() if s.connector not in (None, KVPUSH))
@@ -98,7 +106,7 @@ class ClientConfig:
     (``--input-lens 1024,4096,8192 --loads 0.25,0.5,0.8,1.1 --concurrencies 1,4,16
     --headline-prompts 200 --prompts 100``), several hours here."""
 
-    systems: tuple[str, ...] = tuple(SYSTEMS)
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
     input_lens: tuple[int, ...] = (1024, 4096)
     loads: tuple[float, ...] = (0.25, 0.8)
     #: Closed-loop concurrency sweep at the first input length.
