@@ -339,6 +339,20 @@ def plots(summaries: Sequence[Summary], points: Sequence[Point], img_dir: Path) 
     return written
 
 
+def _rounds(result: ClientResult) -> str:
+    """How many rounds ran: every system's points in each, or the run stopped part-way."""
+    asked = result.config.rounds
+    complete = sum(
+        1
+        for index in range(len(result.orders))
+        if len([r for r in result.runs if r.round == index])
+        == len(result.config.systems) * len(result.config.points())
+    )
+    if complete == asked:
+        return f"{asked} round(s)"
+    return f"{complete} of the {asked} rounds asked for (the run was stopped after that)"
+
+
 def markdown(result: ClientResult, doc: Path, command: str) -> str:
     summaries = summarize(result)
     points = result.config.points()
@@ -371,7 +385,7 @@ def markdown(result: ClientResult, doc: Path, command: str) -> str:
         "step, for push whatever of the WRITE and D's first step is left after P answered.",
         "",
         f"Measured {result.started[:16].replace('T', ' ')} UTC in "
-        f"{result.elapsed_s / 60:.0f} min, {c.rounds} round(s), orders "
+        f"{result.elapsed_s / 60:.0f} min, {_rounds(result)}, orders "
         f"{'; '.join(' → '.join(o) for o in result.orders)}, with:",
         "",
         "```bash",
