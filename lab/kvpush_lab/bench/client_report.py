@@ -339,15 +339,19 @@ def plots(summaries: Sequence[Summary], points: Sequence[Point], img_dir: Path) 
     return written
 
 
-def _rounds(result: ClientResult) -> str:
-    """How many rounds ran: every system's points in each, or the run stopped part-way."""
-    asked = result.config.rounds
-    complete = sum(
+def _complete_rounds(result: ClientResult) -> int:
+    """Rounds in which every system ran every point."""
+    each = len(result.config.systems) * len(result.config.points())
+    return sum(
         1
         for index in range(len(result.orders))
-        if len([r for r in result.runs if r.round == index])
-        == len(result.config.systems) * len(result.config.points())
+        if len([r for r in result.runs if r.round == index]) == each
     )
+
+
+def _rounds(result: ClientResult) -> str:
+    """How many rounds ran: all asked for, or the run was stopped part-way."""
+    asked, complete = result.config.rounds, _complete_rounds(result)
     if complete == asked:
         return f"{asked} round(s)"
     return f"{complete} of the {asked} rounds asked for (the run was stopped after that)"
@@ -359,6 +363,7 @@ def markdown(result: ClientResult, doc: Path, command: str) -> str:
     c = result.config
     capacity = ", ".join(f"{v:.2f}/s at {k}" for k, v in sorted(result.capacity.items()))
     img = plots(summaries, points, doc.parent / "img")
+    orders = result.orders[: max(1, _complete_rounds(result))]
     lines = [
         "`kvpush bench client` (`lab/kvpush_lab/bench/client.py`) points vLLM's own benchmark "
         "client, `vllm bench serve` (the installed vLLM's `vllm.benchmarks.serve`), at every "
@@ -386,7 +391,7 @@ def markdown(result: ClientResult, doc: Path, command: str) -> str:
         "",
         f"Measured {result.started[:16].replace('T', ' ')} UTC in "
         f"{result.elapsed_s / 60:.0f} min, {_rounds(result)}, orders "
-        f"{'; '.join(' → '.join(o) for o in result.orders)}, with:",
+        f"{'; '.join(' → '.join(o) for o in orders)}, with:",
         "",
         "```bash",
         command,
@@ -416,7 +421,9 @@ def markdown(result: ClientResult, doc: Path, command: str) -> str:
         "",
         "kvpush's handover stage by stage, from the connector's timelines (negative: the "
         "second event came first; `D admitted after P's KV ready` late means D's scheduler "
-        "admitted the request after P had finished, so push's overlap was lost):",
+        "admitted the request after P had finished, so push's overlap was lost; `completed → "
+        "D holds all` is negative when D held the DONE before P's writer saw its WRITE "
+        "complete, each on its own clock of one host):",
         "",
         stages_table(result).markdown(),
         "",
