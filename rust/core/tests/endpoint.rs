@@ -804,7 +804,7 @@ fn a_p_slow_to_connect_to_does_not_hold_up_the_connects_behind_it() {
     let d_cache = Cache::new(16, |_| 0);
     let p = p_cache.endpoint("ep-p-fast");
     let d = d_cache.endpoint_with("ep-d-two", Fault::None, |c| {
-        c.connect_timeout = Duration::from_secs(3);
+        c.connect_timeout = Duration::from_secs(1);
     });
     // Accepts TCP connections (the kernel does) but never answers a Hello: a connect to it
     // takes the whole connect timeout.
@@ -818,9 +818,56 @@ fn a_p_slow_to_connect_to_does_not_hold_up_the_connects_behind_it() {
     let first = events(&d, 1);
     assert_eq!(first[0].request_id, "req-fast", "{first:?}");
     assert_eq!(first[0].outcome, Outcome::Done, "{first:?}");
+    // Tried again a few times (a P that answers late is not a P that is gone), then given up:
+    // well before the receive's TTL.
     let second = events(&d, 1);
     assert_eq!(second[0].request_id, "req-slow", "{second:?}");
     assert_eq!(reason_of(&second[0]), Some(Reason::Unreachable), "{second:?}");
+    assert!(
+        matches!(&second[0].outcome, Outcome::Failed(reason)
+            if reason.contains("no hello within connect_timeout")
+                && reason.contains("3 attempts in a row timed out")),
+        "{second:?}"
+    );
+}
+
+#[test]
+fn a_p_that_answers_late_still_gets_the_registration_and_writes_the_kv() {
+    // A P restarting under many D peers accepts their connections (the kernel does) before its
+    // side channel can answer them. Nothing is registered until it answers, so D's receive must
+    // not fail: it connects again, and the P that then answers at that address writes the KV.
+    let p_cache = Cache::new(16, |i| (i % 13) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let d = d_cache.endpoint_with("ep-d-patient", Fault::None, |c| {
+        c.connect_timeout = Duration::from_millis(500);
+    });
+    // Takes D's connections and never answers them.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    silent.set_nonblocking(true).unwrap();
+    let addr = silent.local_addr().unwrap();
+    let mut e = expectation(&d, "req-late", &[1, 2], 0, 20);
+    e.sources = vec![addr.to_string()];
+    d.expect(e).unwrap();
+    // D's first connect times out, and it connects again. The accepted sockets stay open (D
+    // waits out its timeout on each); the real P takes the address while D waits on its second
+    // attempt, which leaves it the second timeout and the backoff after it to start.
+    let mut held = Vec::new();
+    assert!(
+        eventually(|| {
+            held.extend(silent.accept().ok());
+            held.len() == 2
+        }),
+        "D did not connect again after its first attempt timed out"
+    );
+    assert_eq!(d.poll(), vec![], "D gave up on a P that did not answer once");
+    drop(silent);
+    let p = p_cache.endpoint_with("ep-p-late", Fault::None, |c| c.bind = addr);
+    wait_for_registration(&p);
+    p.ready(ready("req-late", &[3, 4], 20)).unwrap();
+    let received = events(&d, 1);
+    assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+    drop((p, d, held));
+    assert_only_written(&d_cache, &p_cache, &[(&[1, 2], &[3, 4])], 20);
 }
 
 #[test]

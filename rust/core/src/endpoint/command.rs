@@ -52,6 +52,9 @@ pub(crate) struct ConnectFailure {
     pub(crate) refused: bool,
     /// P turned D away for want of a connection or handshake slot: try again later.
     pub(crate) busy: bool,
+    /// P did not answer within `connect_timeout` (no TCP connection, or no Hello): an
+    /// overloaded P looks like this, and so does a host that is down. D tries again, a few times.
+    pub(crate) timed_out: bool,
 }
 
 impl ConnectFailure {
@@ -65,11 +68,18 @@ impl ConnectFailure {
             error,
             SideChannelError::Refused { code, .. } if code == TOO_MANY_CONNECTIONS
         );
-        Self { reason: error.to_string(), refused, busy }
+        let timed_out = match error {
+            SideChannelError::Connect { source, .. } => {
+                source.kind() == std::io::ErrorKind::TimedOut
+            }
+            SideChannelError::Handshake { timed_out, .. } => *timed_out,
+            _ => false,
+        };
+        Self { reason: error.to_string(), refused, busy, timed_out }
     }
 
     /// A failure that is neither of the above: D gives up on the source's waiting legs.
     pub(crate) fn other(reason: String) -> Self {
-        Self { reason, refused: false, busy: false }
+        Self { reason, refused: false, busy: false, timed_out: false }
     }
 }

@@ -19,6 +19,12 @@
 //! key and epoch and echoes the nonce of the leg's registration: anything else is counted as a
 //! stray and changes nothing.
 //!
+//! A P that turns D away for want of a slot (`too_many_connections`) is tried again, with a
+//! backoff spread by agent name, for as long as the legs waiting on it last; one that does not
+//! answer within `connect_timeout` is tried again a few times ([`TIMEOUT_RETRIES`]). Nothing is
+//! registered before P answers, so a P that restarted under a thousand reconnecting D peers
+//! loses none of their receives; a host that is down still fails its legs in seconds.
+//!
 //! Without a secret, D connects out only to loopback addresses unless the operator opted out
 //! (`allow_insecure`): the side channel refuses, and the leg fails at once naming the host (a D
 //! hands the P it connects to its agent metadata, which is write access to its whole KV cache).
@@ -88,21 +94,30 @@ pub(super) struct Receives {
     /// P addresses D must ask again (some lost leg of theirs waits for evidence), with when the
     /// next attempt to connect is due and the wait after it.
     retries: HashMap<String, Retry>,
-    /// P addresses that turned D away for want of a slot while legs waited to register there,
-    /// with when to connect again.
+    /// P addresses that turned D away for want of a slot, or did not answer in time, while legs
+    /// waited to register there, with when to connect again.
     busy: HashMap<String, Retry>,
 }
 
-/// When D tries again to reach a lost P.
+/// When D tries again to reach a lost (or full, or slow) P.
 #[derive(Debug, Clone, Copy)]
 struct Retry {
     next: Instant,
     backoff: Duration,
+    /// Attempts in a row that timed out (see [`TIMEOUT_RETRIES`]).
+    timeouts: u32,
 }
 
 /// The first wait between attempts to reach a lost (or full) P, and the longest.
 const RETRY_FIRST: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// How many times in a row D tries again to reach a P that did not answer within
+/// `connect_timeout` before its waiting legs fail `unreachable`. A P that restarted under a
+/// thousand reconnecting D peers answers late rather than never, and nothing is registered
+/// until it answers, so trying again is safe; but a host that is down looks the same, and its
+/// legs should fail in a few connect timeouts, not at their TTL.
+const TIMEOUT_RETRIES: u32 = 2;
 
 /// `backoff` plus up to half of it again, by this endpoint's agent `name`: the D peers a full P
 /// turned away come back spread out rather than all at once. Deterministic, for the
@@ -287,17 +302,26 @@ impl Receives {
                     .map(move |(leg, _)| (id.clone(), leg))
             })
             .collect();
+        let timeouts = self.busy.get(&source).map_or(0, |retry| retry.timeouts);
         match result {
-            Err(failure) if failure.busy && !waiting.is_empty() => {
-                // P is full for now (a restarted P that all its D peers reconnect to at once):
-                // nothing was registered, so the legs keep waiting, still connecting, and D
-                // tries again for as long as they do (their TTL ends them).
+            Err(failure)
+                if (failure.busy || failure.timed_out && timeouts < TIMEOUT_RETRIES)
+                    && !waiting.is_empty() =>
+            {
+                // P is full for now, or too slow to answer (a restarted P that all its D peers
+                // reconnect to at once): nothing was registered, so the legs keep waiting,
+                // still connecting, and D tries again for as long as they do (their TTL ends
+                // them), or a few times for a P that does not answer at all.
                 self.sources.remove(&source);
                 let now = cx.shared.now();
-                let retry =
-                    self.busy.entry(source).or_insert(Retry { next: now, backoff: RETRY_FIRST });
+                let retry = self.busy.entry(source).or_insert(Retry {
+                    next: now,
+                    backoff: RETRY_FIRST,
+                    timeouts: 0,
+                });
                 retry.next = now + spread(retry.backoff, cx.transport.name());
                 retry.backoff = (retry.backoff * 2).min(RETRY_MAX);
+                retry.timeouts = if failure.timed_out { timeouts + 1 } else { 0 };
             }
             Ok(info) => {
                 self.busy.remove(&source);
@@ -309,9 +333,16 @@ impl Receives {
             }
             Err(failure) => {
                 self.sources.remove(&source);
+                self.busy.remove(&source);
+                let tries = if failure.timed_out && timeouts > 0 {
+                    format!(" ({} attempts in a row timed out)", timeouts + 1)
+                } else {
+                    String::new()
+                };
                 for (request_id, leg) in waiting {
                     let Some(awaited) = self.awaited.get(&request_id) else { continue };
-                    let detail = format!("cannot reach {}: {}", awaited.label(leg), failure.reason);
+                    let detail =
+                        format!("cannot reach {}: {}{tries}", awaited.label(leg), failure.reason);
                     self.end_leg(
                         cx,
                         &request_id,
@@ -408,10 +439,11 @@ impl Receives {
                     self.ask_again(cx, &source, peer);
                 }
                 None => {
-                    let retry = self
-                        .retries
-                        .entry(source.clone())
-                        .or_insert(Retry { next: now, backoff: RETRY_FIRST });
+                    let retry = self.retries.entry(source.clone()).or_insert(Retry {
+                        next: now,
+                        backoff: RETRY_FIRST,
+                        timeouts: 0,
+                    });
                     if retry.next > now {
                         continue;
                     }

@@ -11,11 +11,12 @@
 //! detection, error replies to refused frames, and the lifetime of every connection and thread.
 //! What the messages mean is the [`ControlHandler`]'s business.
 //!
-//! Threads: `kvpush-side-accept` accepts connections; one `kvpush-side-<peer id>` per connection
-//! does the accepting side's handshake, reads and dispatches frames, sends heartbeats and
-//! notices silence. The handler is called from these threads (and from the caller's thread in
-//! [`SideChannel::connect`]), never with a lock held. Every blocking call has a timeout, and
-//! [`SideChannel::close`] stops and joins every thread.
+//! Threads: `kvpush-side-accept` accepts connections; one thread per connection
+//! (`kvpush-in-<peer id>` for an accepted one, `kvpush-out-<peer id>` for one this side made, so
+//! that `top -H` tells P's connections from D's) does the accepting side's handshake, reads and
+//! dispatches frames, sends heartbeats and notices silence. The handler is called from these
+//! threads (and from the caller's thread in [`SideChannel::connect`]), never with a lock held.
+//! Every blocking call has a timeout, and [`SideChannel::close`] stops and joins every thread.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -231,6 +232,16 @@ impl SideChannelConfig {
         Ok(())
     }
 
+    /// How many connections the kernel may hold for the accept thread: every connection and
+    /// handshake the caps allow at once. A restarted P is reconnected to by all its D peers at
+    /// once; with std's 128, the rest of the storm overflows the queue, and the kernel drops
+    /// their SYNs or final ACKs until its retransmissions (1 s, 3 s, ...) outlast D's
+    /// `connect_timeout`. The kernel still caps it (`net.core.somaxconn`).
+    fn backlog(&self) -> i32 {
+        let wanted = self.max_connections.saturating_add(self.max_handshakes);
+        i32::try_from(wanted).unwrap_or(i32::MAX).max(128)
+    }
+
     /// The read timeout of every socket; see [`MIN_TICK`].
     fn tick(&self) -> Duration {
         (self.heartbeat_interval.min(self.peer_timeout) / 4).clamp(MIN_TICK, MAX_TICK)
@@ -346,6 +357,9 @@ pub enum SideChannelError {
         /// What went wrong: a timeout, a refused frame (e.g. secrets differ), an incompatible
         /// Hello, or this side's handler refusing the peer.
         reason: String,
+        /// The peer did not answer within `connect_timeout`: an overloaded peer (one that
+        /// restarted under many reconnecting peers) looks like this, and may answer later.
+        timed_out: bool,
     },
     /// The peer answered our Hello with an `error` message.
     #[error("the side channel at {addr} refused us ({code}): {detail}")]
@@ -464,7 +478,7 @@ impl SideChannel {
                 format!("side channel: our own hello would be refused by peers: {error}"),
             )
         })?;
-        let listener = TcpListener::bind(config.bind).map_err(|error| {
+        let listener = listen(config.bind, config.backlog()).map_err(|error| {
             io::Error::new(
                 error.kind(),
                 format!("side channel: cannot listen on {}: {error}", config.bind),
@@ -518,8 +532,11 @@ impl SideChannel {
         shared.check_room()?;
         let deadline = Instant::now() + shared.config.connect_timeout;
         let connect_error = |source| SideChannelError::Connect { addr: addr.to_owned(), source };
-        let handshake_error =
-            |reason: String| SideChannelError::Handshake { addr: addr.to_owned(), reason };
+        let handshake_error = |reason: String| SideChannelError::Handshake {
+            addr: addr.to_owned(),
+            reason,
+            timed_out: false,
+        };
 
         let candidates = resolve_within(addr, deadline, &shared.lookups).map_err(connect_error)?;
         if shared.config.secret.is_none() && !shared.config.allow_insecure {
@@ -547,7 +564,11 @@ impl SideChannel {
             }
             error => {
                 conn.close(error.to_string());
-                handshake_error(error.to_string())
+                SideChannelError::Handshake {
+                    addr: addr.to_owned(),
+                    reason: error.to_string(),
+                    timed_out: matches!(error, HandshakeError::TimedOut(_)),
+                }
             }
         };
 
@@ -809,7 +830,9 @@ impl Shared {
         registry.threads.retain(|thread| !thread.is_finished());
         // Spawned under the lock so that `close`, which takes it to set `closing`, sees the
         // connection and its thread together or neither.
-        let thread = thread::Builder::new().name(format!("kvpush-side-{}", conn.id)).spawn({
+        let direction = if matches!(start, Start::Accepted) { "in" } else { "out" };
+        let name = format!("kvpush-{direction}-{}", conn.id);
+        let thread = thread::Builder::new().name(name).spawn({
             let shared = Arc::clone(self);
             let conn = Arc::clone(conn);
             move || connection::run(shared, conn, start)
@@ -848,6 +871,18 @@ impl Shared {
             Err(error) => conn.close(error.to_string()),
         }
     }
+}
+
+/// A listening socket on `addr` (reusing a port in `TIME_WAIT`, as std's bind does, so that a
+/// restarted worker gets its port back) whose accept queue holds `backlog` connections.
+fn listen(addr: SocketAddr, backlog: i32) -> io::Result<TcpListener> {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    let family = if addr.is_ipv4() { AddressFamily::INET } else { AddressFamily::INET6 };
+    let socket = rustix::net::socket_with(family, SocketType::STREAM, SocketFlags::CLOEXEC, None)?;
+    rustix::net::sockopt::set_socket_reuseaddr(&socket, true)?;
+    rustix::net::bind(&socket, &addr)?;
+    rustix::net::listen(&socket, backlog)?;
+    Ok(TcpListener::from(socket))
 }
 
 /// The `kvpush-side-accept` thread: admits connections until the channel closes.

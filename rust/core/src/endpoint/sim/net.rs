@@ -401,6 +401,7 @@ impl Lab {
                     _ => SideChannelError::Handshake {
                         addr: attempt.source.clone(),
                         reason: "no hello within connect_timeout".to_owned(),
+                        timed_out: true,
                     },
                 };
                 Err(ConnectFailure::of(&error))
@@ -444,6 +445,7 @@ impl Lab {
             let error = SideChannelError::Handshake {
                 addr: source.to_owned(),
                 reason: format!("this side's handler refused the peer: {reason}"),
+                timed_out: false,
             };
             return Err(ConnectFailure::of(&error));
         }
