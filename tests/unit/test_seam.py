@@ -117,6 +117,8 @@ def test_options_are_checked_when_made_and_replace_checks_again() -> None:
     assert (changed.pp_rank, changed.pp_size, changed.peer_timeout) == (1, 2, 2.0)
     assert changed.has_secret, "replace keeps what it does not change"
     assert options.pp_size == 1, "options are immutable"
+    assert options.busy_poll == 0.0002
+    assert options.replace(busy_poll=0.02).busy_poll == 0.02
     for bad, match in [
         ({"transport": "tcp"}, "transport"),
         ({"peer_timeout": -1.0}, "peer_timeout"),
@@ -125,6 +127,8 @@ def test_options_are_checked_when_made_and_replace_checks_again() -> None:
         ({"bind": "not an address"}, "bind"),
         ({"max_handshakes": 0}, "max_handshakes"),
         ({"max_connections": 0}, "max_connections"),
+        ({"busy_poll": 0.0}, "busy_poll"),
+        ({"busy_poll": 1.0}, "busy_poll"),
     ]:
         with pytest.raises(ValueError, match=match):
             kvpush.EndpointOptions(**bad)  # type: ignore[arg-type]

@@ -275,6 +275,7 @@ class EndpointOptions:
         heartbeat_interval: float = 1.0,
         peer_timeout: float = 5.0,
         connect_timeout: float = 3.0,
+        busy_poll: float = 0.0002,
         insecure: bool = False,
         max_registrations_per_host: int = 16384,
         max_registration_bytes_per_host: int = 64 << 20,
@@ -311,6 +312,10 @@ class EndpointOptions:
     def peer_timeout(self) -> float: ...
     @property
     def connect_timeout(self) -> float: ...
+    @property
+    def busy_poll(self) -> float:
+        """Seconds between the writer's polls while a WRITE is in flight or a receive awaits its
+        DONEs (10 µs to 100 ms): longer costs less CPU and notices a completion that much later."""
     @property
     def insecure(self) -> bool: ...
     @property

@@ -19,6 +19,10 @@ pub(crate) fn seconds(value: f64, what: &str) -> PyResult<Duration> {
     })
 }
 
+/// The shortest and longest `busy_poll` (seconds): 10 µs, 100 ms.
+const MIN_BUSY_POLL: f64 = 1e-5;
+const MAX_BUSY_POLL: f64 = 0.1;
+
 /// Which transport moves the bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum TransportKind {
@@ -79,6 +83,9 @@ pub(crate) struct EndpointOptions {
     peer_timeout: f64,
     #[pyo3(get)]
     connect_timeout: f64,
+    /// Seconds between the writer's polls while a WRITE is in flight or a receive awaited.
+    #[pyo3(get)]
+    busy_poll: f64,
     /// Allow connections beyond loopback without a secret.
     #[pyo3(get)]
     insecure: bool,
@@ -120,6 +127,7 @@ impl EndpointOptions {
         config.heartbeat_interval = seconds(self.heartbeat_interval, "heartbeat_interval")?;
         config.peer_timeout = seconds(self.peer_timeout, "peer_timeout")?;
         config.connect_timeout = seconds(self.connect_timeout, "connect_timeout")?;
+        config.busy_poll = seconds(self.busy_poll, "busy_poll")?;
         config.allow_insecure = self.insecure;
         config.pp_rank = self.pp_rank;
         config.pp_size = self.pp_size;
@@ -161,6 +169,7 @@ impl EndpointOptions {
         fields.set_item("heartbeat_interval", self.heartbeat_interval)?;
         fields.set_item("peer_timeout", self.peer_timeout)?;
         fields.set_item("connect_timeout", self.connect_timeout)?;
+        fields.set_item("busy_poll", self.busy_poll)?;
         fields.set_item("insecure", self.insecure)?;
         fields.set_item("max_registrations_per_host", self.max_registrations_per_host)?;
         fields.set_item("max_registration_bytes_per_host", self.max_registration_bytes_per_host)?;
@@ -182,7 +191,7 @@ impl EndpointOptions {
         *, transport = "nixl", agent_name = None, nixl_library = None,
         nixl_progress_thread = false, device = None, bind = "127.0.0.1:0", secret = None,
         compatibility = "", write_timeout = 10.0, heartbeat_interval = 1.0,
-        peer_timeout = 5.0, connect_timeout = 3.0, insecure = false,
+        peer_timeout = 5.0, connect_timeout = 3.0, busy_poll = 0.000_2, insecure = false,
         max_registrations_per_host = 16_384, max_registration_bytes_per_host = 64 << 20,
         inbox_capacity = 16_384, max_connections = 256, max_connections_per_host = 32,
         max_handshakes = 16, delivery_bound = None, pp_rank = 0, pp_size = 1
@@ -202,6 +211,7 @@ impl EndpointOptions {
         heartbeat_interval: f64,
         peer_timeout: f64,
         connect_timeout: f64,
+        busy_poll: f64,
         insecure: bool,
         max_registrations_per_host: usize,
         max_registration_bytes_per_host: usize,
@@ -225,6 +235,13 @@ impl EndpointOptions {
             (connect_timeout, "connect_timeout"),
         ] {
             seconds(value, what)?;
+        }
+        // A WRITE's completion is noticed at most this late; zero would spin the writer.
+        if !(MIN_BUSY_POLL..=MAX_BUSY_POLL).contains(&busy_poll) {
+            return Err(PyValueError::new_err(format!(
+                "busy_poll must be between {MIN_BUSY_POLL} and {MAX_BUSY_POLL} seconds, not \
+                 {busy_poll}"
+            )));
         }
         if let Some(bound) = delivery_bound {
             seconds(bound, "delivery_bound")?;
@@ -258,6 +275,7 @@ impl EndpointOptions {
             heartbeat_interval,
             peer_timeout,
             connect_timeout,
+            busy_poll,
             insecure,
             max_registrations_per_host,
             max_registration_bytes_per_host,

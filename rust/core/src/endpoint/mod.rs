@@ -124,6 +124,10 @@ pub struct EndpointConfig {
     pub peer_timeout: Duration,
     /// Longest wait for a side channel connection and handshake.
     pub connect_timeout: Duration,
+    /// How often the writer polls the transport while a WRITE is in flight or a receive awaits
+    /// its DONEs. Default 200 µs. Longer costs less CPU and adds up to that much to noticing a
+    /// completion (a D that waits on a P's prefill, many D endpoints in one process).
+    pub busy_poll: Duration,
     /// How long bytes the transport accepted for a WRITE can still land after the write
     /// completed (or P's endpoint went away): over UCX's TCP transport, a WRITE "completes" once the
     /// kernel has the bytes, and a cut link that comes back delivers them until TCP gives up
@@ -181,6 +185,7 @@ impl EndpointConfig {
             heartbeat_interval: Duration::from_secs(1),
             peer_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
+            busy_poll: Duration::from_micros(200),
             delivery_bound: LoopbackTransport::DELIVERY_BOUND,
             allow_insecure: false,
             max_registrations_per_host: 16_384,

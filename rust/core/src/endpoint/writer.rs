@@ -10,7 +10,8 @@
 //! writer's end (a clean close, or failing everything after a panic); what the two paths share
 //! (the transport, the peers the writer knows) is the [`Context`] it lends each of their calls.
 //!
-//! It polls every `BUSY_POLL` while anything is in flight or awaited, sleeps on its inbox for up
+//! It polls every `busy_poll` (`EndpointConfig::busy_poll`, 200 µs by default) while anything
+//! is in flight or awaited, sleeps on its inbox for up
 //! to `IDLE_POLL` while the table holds a half or a command came recently, and for up to
 //! `QUIET_POLL` once nothing has happened for `SETTLE`: an idle endpoint costs next to no CPU (a
 //! few wake-ups a second), while a new command still wakes it at once.
@@ -58,8 +59,6 @@ use super::receive::{self, Receives};
 use super::send::{self, Sends};
 use super::{EndpointConfig, Shared};
 
-/// Poll period while writes are in flight or DONEs awaited.
-const BUSY_POLL: Duration = Duration::from_micros(200);
 /// Longest sleep when nothing is pending: bounds how late a peer's connection setup is
 /// progressed by a transport without its own progress thread.
 const IDLE_POLL: Duration = Duration::from_millis(20);
@@ -84,6 +83,8 @@ pub(crate) struct Writer<T: Transport> {
     pub(super) receives: Receives,
     last_deadline_check: Instant,
     last_command: Instant,
+    /// Poll period while writes are in flight or DONEs awaited.
+    busy_poll: Duration,
 }
 
 impl<T: Transport> std::fmt::Debug for Writer<T> {
@@ -123,6 +124,7 @@ impl<T: Transport> Writer<T> {
             receives: Receives::new(secret, config.limits),
             last_deadline_check: now,
             last_command: now,
+            busy_poll: config.busy_poll,
         }
     }
 
@@ -194,7 +196,7 @@ impl<T: Transport> Writer<T> {
     /// How long the next wait on the inbox may last (see the module docs).
     fn poll_period(&self) -> Duration {
         if self.sends.writing() || self.receives.awaits_kv() {
-            BUSY_POLL
+            self.busy_poll
         } else if !self.cx.shared.table.is_empty()
             || self.cx.shared.now().saturating_duration_since(self.last_command) < SETTLE
         {
@@ -321,7 +323,7 @@ impl<T: Transport> Writer<T> {
 
     pub(crate) fn shut_down(&mut self) {
         self.end_backlog();
-        self.sends.drain_writes(&mut self.cx, BUSY_POLL);
+        self.sends.drain_writes(&mut self.cx, self.busy_poll);
         self.receives.close_receives(&mut self.cx);
     }
 
