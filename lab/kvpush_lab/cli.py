@@ -97,7 +97,17 @@ def add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvpush_lab.bench import client, control, core, engine, idle, serving, suite, transfer
+    from kvpush_lab.bench import (
+        client,
+        control,
+        core,
+        engine,
+        idle,
+        scale,
+        serving,
+        suite,
+        transfer,
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -112,6 +122,7 @@ def add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         ("transfer", transfer, "kvpush's data path against a plain NIXL WRITE driven from Python"),
         ("core", core, "the Rust core's criterion benches: planner, table vs Mutex<HashMap>"),
         ("idle", idle, "CPU an idle, warm P+D pair burns: kvpush endpoints vs NIXL agents"),
+        ("scale", scale, "one P under 1-1,024 D peers, and P restarting under all of them"),
         ("control", control, "P's per-request control path and matching: kvpush vs vLLM's code"),
         ("engine", engine, "connector time per engine step on vLLM's scheduler, 1-512 in flight"),
         ("serving", serving, "kvpush vs vLLM's NixlPushConnector and NixlConnector, real servers"),

@@ -7,6 +7,8 @@ The steps, in order (cheap and self-contained first, the vLLM servers last):
 * ``control``: P's per-request control path and matching under load, kvpush vs vLLM's code;
 * ``engine``: the connectors' time per engine step on vLLM's real scheduler, 1 to 512 in flight;
 * ``idle``: an idle, warm P+D pair's CPU, kvpush endpoints vs NIXL agents;
+* ``scale``: one P under 1, 256 and 1,024 D peers (threads, fds, memory, idle CPU, match
+  latency) and P restarting under all of them;
 * ``transfer``: the data path against plain NIXL WRITEs, UCX's default transports and tcp;
 * ``serving``: kvpush vs vLLM's NixlPushConnector and NixlConnector on real vLLM pairs;
 * ``engine-servers``: the connectors' time per engine step on real vLLM pairs, every hook timed
@@ -29,7 +31,17 @@ from pathlib import Path
 
 from kvpush_lab.bench import report
 
-STEPS = ("core", "control", "engine", "idle", "transfer", "serving", "engine-servers", "client")
+STEPS = (
+    "core",
+    "control",
+    "engine",
+    "idle",
+    "scale",
+    "transfer",
+    "serving",
+    "engine-servers",
+    "client",
+)
 
 
 def _core(doc: Path, quick: bool) -> int:
@@ -56,6 +68,15 @@ def _idle(doc: Path, quick: bool) -> int:
     from kvpush_lab.bench import idle
 
     return idle.main(argparse.Namespace(seconds=2.0 if quick else 10.0, markdown=str(doc)))
+
+
+def _scale(doc: Path, quick: bool) -> int:
+    from kvpush_lab.bench import scale
+
+    parser = argparse.ArgumentParser()
+    scale.add_arguments(parser)
+    argv = ["--markdown", str(doc), *(["--peers", "1,32", "--idle-seconds", "1"] if quick else [])]
+    return scale.main(parser.parse_args(argv))
 
 
 def _transfer(doc: Path, quick: bool) -> int:
@@ -100,6 +121,7 @@ RUNNERS: dict[str, Callable[[Path, bool], int]] = {
     "control": _control,
     "engine": _engine,
     "idle": _idle,
+    "scale": _scale,
     "transfer": _transfer,
     "serving": _serving,
     "engine-servers": _engine_servers,
