@@ -61,6 +61,6 @@ def test_the_section_has_both_tables_and_a_verdict_per_size(tmp_path: Path) -> N
     report.replace_section(doc, scale.SECTION, scale.markdown(samples, "kvpush bench scale"))
     text = doc.read_text()
     assert f"## {scale.SECTION}" in text
-    assert "| 4 | 6 (2 + 4) | 5 | 100 KiB | 0.50% | 1.00% |" in text
+    assert "| 4 | 6 (2 + 4) | 5 | 100 KiB | 0.50% | 1.00% | 0 ns |" in text
     assert "no receive lost: **met**." in text
     assert "no receive lost: **not met**: 1 receive(s) lost, most `unreachable` (why)." in text
