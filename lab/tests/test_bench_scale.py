@@ -6,33 +6,17 @@ and CPU figures are reported, not checked."""
 
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 
 from kvpush_lab.bench import report, scale
-
-
-def _in_child(peers: int, max_handshakes: int, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    try:
-        queue.put(scale.measure(peers, max_handshakes, 0.2, progress=lambda _line: None))
-    except Exception as error:
-        queue.put(error)
+from kvpush_lab.bench.child import run_in_child
 
 
 def _measure(peers: int, max_handshakes: int) -> scale.ScaleSample:
     """One size in its own process, as the bench runs it: a process's endpoints are its own."""
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    child = context.Process(target=_in_child, args=(peers, max_handshakes, queue))
-    child.start()
-    try:
-        result = queue.get(timeout=300)
-    finally:
-        child.join(timeout=60)
-    if isinstance(result, Exception):
-        raise result
-    assert isinstance(result, scale.ScaleSample)
-    return result
+    sample = run_in_child(scale.measure, (peers, max_handshakes, 0.2), 300, "scale")
+    assert isinstance(sample, scale.ScaleSample)
+    return sample
 
 
 def test_p_restarting_under_more_peers_than_handshake_slots_loses_no_receive() -> None:

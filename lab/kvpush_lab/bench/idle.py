@@ -17,19 +17,18 @@ this isolates the part a connector adds. The process's main thread only sleeps m
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import psutil
 
 import kvpush
 from kvpush_lab.bench import report
+from kvpush_lab.bench.child import run_in_child
 from kvpush_lab.bench.serving_cpu import comm
 from kvpush_lab.cache import CacheShape
 from kvpush_lab.plain_nixl import nixl_module
@@ -133,12 +132,8 @@ def _idle_nixl(seconds: float) -> IdleSample:
     return _measure(seconds, "nixl-vllm-config")
 
 
-def _child(variant: str, seconds: float, queue: Any) -> None:
-    try:
-        sample = _idle_kvpush(seconds) if variant == "kvpush" else _idle_nixl(seconds)
-        queue.put(("ok", sample))
-    except Exception as error:  # reported by the parent with the variant's name
-        queue.put(("error", f"{type(error).__name__}: {error}"))
+def _idle(variant: str, seconds: float) -> IdleSample:
+    return _idle_kvpush(seconds) if variant == "kvpush" else _idle_nixl(seconds)
 
 
 def run(
@@ -147,25 +142,14 @@ def run(
     progress: Callable[[str], None] = print,
 ) -> list[IdleSample]:
     """Each variant in its own process, one after the other."""
-    context = multiprocessing.get_context("spawn")
     env = {"UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
     os.environ.update(env)
     samples = []
     for variant in variants:
         progress(f"idle: {LABELS[variant]}: warm-up transfer, then {seconds:g} s idle ...")
-        queue = context.Queue()
-        child = context.Process(target=_child, args=(variant, seconds, queue))
-        child.start()
-        try:
-            status, value = queue.get(timeout=seconds + 90.0)
-        finally:
-            child.join(timeout=30.0)
-            if child.is_alive():
-                child.kill()
-        if status != "ok":
-            raise RuntimeError(f"idle bench, {variant}: {value}")
-        progress(f"idle: {variant}: {value.percent:.2f}% of a core")
-        samples.append(value)
+        sample = run_in_child(_idle, (variant, seconds), seconds + 90.0, f"idle bench, {variant}")
+        progress(f"idle: {variant}: {sample.percent:.2f}% of a core")
+        samples.append(sample)
     return samples
 
 

@@ -26,7 +26,6 @@ with its own cores can: the thread and memory figures do not depend on that, the
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import resource
 import time
@@ -40,6 +39,7 @@ import psutil
 
 import kvpush
 from kvpush_lab.bench import report
+from kvpush_lab.bench.child import run_in_child
 from kvpush_lab.cache import CacheShape
 
 SECTION = "Scale: one P endpoint under many D peers"
@@ -267,14 +267,6 @@ def measure(
     return sample
 
 
-def _child(peers: int, max_handshakes: int, idle_seconds: float, queue: Any) -> None:
-    try:
-        sample = measure(peers, max_handshakes, idle_seconds, progress=lambda line: print(line))
-        queue.put(("ok", sample))
-    except Exception as error:  # reported by the parent with the size
-        queue.put(("error", f"{type(error).__name__}: {error}"))
-
-
 def run(
     sizes: Sequence[int] = SIZES,
     max_handshakes: int = 16,
@@ -282,24 +274,15 @@ def run(
     progress: Callable[[str], None] = print,
 ) -> list[ScaleSample]:
     """Each size in its own process, one after the other."""
-    context = multiprocessing.get_context("spawn")
     samples = []
     for peers in sizes:
         progress(f"scale: {peers} D peer(s), max_handshakes {max_handshakes} ...")
-        queue = context.Queue()
-        child = context.Process(target=_child, args=(peers, max_handshakes, idle_seconds, queue))
-        child.start()
         # Three rounds that each may wait out the TTL, the idle period, start and close.
         budget = 3 * (TTL + 30.0) + idle_seconds + 60.0 + peers * 0.1
-        try:
-            status, value = queue.get(timeout=budget)
-        finally:
-            child.join(timeout=60.0)
-            if child.is_alive():
-                child.kill()
-        if status != "ok":
-            raise RuntimeError(f"scale bench, {peers} peers: {value}")
-        samples.append(value)
+        sample = run_in_child(
+            measure, (peers, max_handshakes, idle_seconds), budget, f"scale bench, {peers} peers"
+        )
+        samples.append(sample)
     return samples
 
 
