@@ -40,6 +40,7 @@ import psutil
 import kvpush
 from kvpush_lab.bench import report
 from kvpush_lab.bench.child import run_in_child
+from kvpush_lab.bench.serving_cpu import comm
 from kvpush_lab.cache import CacheShape
 
 SECTION = "Scale: one P endpoint under many D peers"
@@ -91,18 +92,13 @@ class ScaleSample:
     idle_seconds: float = 0.0
     rounds: list[Round] = field(default_factory=list)
     restart_seconds: float = 0.0
-    close_seconds: float = 0.0
 
 
 def _tasks() -> dict[int, str]:
     """Thread id -> kernel name, for this process's threads."""
-    names: dict[int, str] = {}
-    for entry in os.scandir("/proc/self/task"):
-        try:
-            names[int(entry.name)] = Path(entry.path, "comm").read_text().rstrip("\n")
-        except OSError:  # the thread ended between listing and reading
-            continue
-    return names
+    pid = os.getpid()
+    names = {int(tid): comm(pid, int(tid)) for tid in os.listdir("/proc/self/task")}
+    return {tid: name for tid, name in names.items() if name is not None}
 
 
 def _cpu_ns(tids: Sequence[int]) -> dict[int, int]:
@@ -138,6 +134,7 @@ def _round(
     started = time.monotonic()
     result = Round(name)
     tokens = GEOMETRY.block_tokens
+    refusal = ""
     for i, d in enumerate(ds):
         d.expect(f"{name}-{i}", p.address, [1], tokens, ttl=TTL)
     time.sleep(0.5)
@@ -146,9 +143,9 @@ def _round(
             p.ready(f"{name}-{i}", [0], tokens, ttl=TTL)
         except kvpush.exceptions.KvPushError as error:
             # D gave the request up already (its receive failed and cancelled it): its event
-            # says why.
+            # says why, and is counted below.
             result.refused_ready += 1
-            result.reasons.setdefault("ready refused", str(error))
+            refusal = str(error)
     waiting = set(range(len(ds)))
     deadline = time.monotonic() + TTL + 15.0
     while waiting and time.monotonic() < deadline:
@@ -186,6 +183,10 @@ def _round(
     )
     for code, reason in result.reasons.items():
         progress(f"scale {len(ds)}: round {name}: {code}, e.g.: {reason}")
+    if result.refused_ready:
+        progress(
+            f"scale {len(ds)}: round {name}: P refused {result.refused_ready} ready: {refusal}"
+        )
     return result
 
 
@@ -259,11 +260,9 @@ def measure(
         sample.restart_seconds = time.monotonic() - restart
         sample.rounds.append(_round("c", p, ds, progress))
     finally:
-        closing = time.monotonic()
         for d in ds:
             d.close()
         p.close()
-        sample.close_seconds = time.monotonic() - closing
     return sample
 
 

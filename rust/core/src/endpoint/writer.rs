@@ -11,10 +11,10 @@
 //! (the transport, the peers the writer knows) is the [`Context`] it lends each of their calls.
 //!
 //! It polls every `busy_poll` (`EndpointConfig::busy_poll`, 200 µs by default) while anything
-//! is in flight or awaited, sleeps on its inbox for up
-//! to `IDLE_POLL` while the table holds a half or a command came recently, and for up to
-//! `QUIET_POLL` once nothing has happened for `SETTLE`: an idle endpoint costs next to no CPU (a
-//! few wake-ups a second), while a new command still wakes it at once.
+//! is in flight or awaited, sleeps on its inbox for up to `IDLE_POLL` while the table holds a
+//! half or a command came recently, and for up to `QUIET_POLL` once nothing has happened for
+//! `SETTLE`: an idle endpoint costs next to no CPU (a few wake-ups a second), while a new command
+//! still wakes it at once.
 //!
 //! # The fence
 //!
