@@ -9,8 +9,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use kvpush_core::rendezvous::{
-    Arrival, Cancelled, Epoch, FenceReason, Finished, Match, Outcome, RendezvousError,
-    RendezvousTable, TableConfig,
+    AfterStream, Arrival, Cancelled, Epoch, FenceReason, Finished, Match, Outcome, RendezvousError,
+    RendezvousTable, StreamEnded, StreamStart, TableConfig,
 };
 use kvpush_core::TransferKey;
 
@@ -146,8 +146,13 @@ struct Life {
     key: TransferKey,
     /// Highest registration epoch accepted; 0 before D registered (the driver starts at 1).
     epoch: Epoch,
-    /// D's registration is waiting (for P, or for the write to finish).
+    /// D's registration is waiting (for P, or for the write or stream to finish).
     registration: Option<(Epoch, u64)>,
+    /// When the waiting registration is due: its deadline, or later if it ran out during a
+    /// stream.
+    registration_due: u64,
+    /// The registration a stream took (layer-wise push), until the stream ends.
+    streaming: Option<(Epoch, u64)>,
     /// P's ready payload, once accepted (the payload is its deadline at arrival).
     ready: Option<u64>,
     /// When P's half is due: its deadline, or later if it ran out during a write.
@@ -169,6 +174,8 @@ impl Life {
             key: TransferKey::from_canonical(&format!("life-{id}")),
             epoch: 0,
             registration: None,
+            registration_due: 0,
+            streaming: None,
             ready: None,
             ready_due: 0,
             matched: None,
@@ -179,14 +186,15 @@ impl Life {
         }
     }
 
-    /// When the table should expire this transfer (never while writing or before any arrival).
+    /// When the table should expire this transfer (never while writing or streaming, or before
+    /// any arrival).
     fn due(&self) -> Option<u64> {
-        if self.writing.is_some() {
+        if self.writing.is_some() || self.streaming.is_some() {
             return None;
         }
         match (self.matched, self.registration, self.ready) {
             (Some(_), _, Some(_)) => Some(self.ready_due.min(self.matched_deadline)),
-            (None, Some((_, registration)), None) => Some(registration),
+            (None, Some(_), None) => Some(self.registration_due),
             (None, None, Some(_)) => Some(self.ready_due),
             _ => None,
         }
@@ -284,7 +292,7 @@ impl Sim {
         assert_eq!((m.epoch, m.registration), (epoch, deadline), "match carries the registration");
         assert_eq!(Some(m.ready), life.ready, "match carries P's payload");
         life.matched = Some(epoch);
-        life.matched_deadline = deadline;
+        life.matched_deadline = life.registration_due;
     }
 
     /// One random step on the transfer in `slot`.
@@ -298,6 +306,11 @@ impl Sim {
         }
         if life.writing.is_some() {
             choices.extend(["finish", "finish", "finish"]);
+        }
+        if life.streaming.is_some() {
+            choices.extend(["end stream", "end stream", "end stream"]);
+        } else {
+            choices.push("stream");
         }
         match choices[self.rng.below(choices.len() as u64) as usize] {
             "register" => {
@@ -337,6 +350,15 @@ impl Sim {
                 let answer = self.table.finish(&key, epoch, outcome.clone(), now);
                 self.on_finish(slot, outcome, answer);
             }
+            "stream" => {
+                let answer = self.table.begin_stream(&key, now);
+                self.on_stream(slot, answer);
+            }
+            "end stream" => {
+                let (epoch, payload) = life.streaming.expect("offered only when streaming");
+                let answer = self.table.end_stream(&key, epoch, payload, now);
+                self.on_end_stream(slot, answer);
+            }
             "cancel" => {
                 let epoch = match self.rng.below(4) {
                     0 | 1 => None,
@@ -372,8 +394,9 @@ impl Sim {
             return;
         }
         life.epoch = epoch;
+        life.registration_due = deadline;
         let superseded = life.registration.replace((epoch, deadline)).map(|(_, payload)| payload);
-        if life.writing.is_some() || life.ready.is_none() {
+        if life.writing.is_some() || life.streaming.is_some() || life.ready.is_none() {
             assert_eq!(answer, Ok(Arrival::Waiting { superseded }));
             return;
         }
@@ -401,6 +424,12 @@ impl Sim {
         }
         life.ready = Some(deadline);
         life.ready_due = deadline;
+        if life.streaming.is_some() {
+            // Held until the stream's WRITEs are done.
+            assert_eq!(answer, Ok(Arrival::Waiting { superseded: None }));
+            self.took("ready during a stream");
+            return;
+        }
         if life.registration.is_none() {
             assert_eq!(answer, Ok(Arrival::Waiting { superseded: None }));
             return;
@@ -445,11 +474,71 @@ impl Sim {
         }
     }
 
+    /// A stream starts only from a registration waiting, alone, within its deadline.
+    fn on_stream(&mut self, slot: usize, answer: StreamStart<u64>) {
+        let clock = self.clock;
+        let life = &mut self.live[slot].1;
+        let alone = life.ready.is_none() && life.matched.is_none() && life.writing.is_none();
+        match life.registration {
+            Some((epoch, payload)) if alone && life.registration_due > clock => {
+                assert_eq!(answer, StreamStart::Started { epoch, registration: payload });
+                life.streaming = life.registration.take();
+                self.took("stream");
+            }
+            _ => assert_eq!(answer, StreamStart::NotWaiting),
+        }
+    }
+
+    fn on_end_stream(
+        &mut self,
+        slot: usize,
+        answer: Result<StreamEnded<u64, u64>, RendezvousError>,
+    ) {
+        let ended = answer.expect("end of the stream in flight");
+        let clock = self.clock;
+        let life = &mut self.live[slot].1;
+        assert_eq!(ended.cancel_acknowledged, life.ack_owed);
+        life.ack_owed = false;
+        let (_, streamed) = life.streaming.take().expect("streaming");
+        if life.cancelled {
+            let expected = AfterStream::Cancelled { registration: streamed, ready: life.ready };
+            assert_eq!(ended.next, expected);
+            self.took("cancel during a stream");
+            self.end(slot, End::Cancelled);
+            return;
+        }
+        // A newer registration that arrived during the stream takes the streamed one's place.
+        let superseded = match life.registration {
+            Some(_) => Some(streamed),
+            None => {
+                life.registration = Some((life.epoch, streamed));
+                None
+            }
+        };
+        life.registration_due = life.registration_due.max(clock);
+        if superseded.is_some() {
+            self.took("re-registered during a stream");
+        }
+        let life = &mut self.live[slot].1;
+        match ended.next {
+            AfterStream::Matched { matched, superseded: got } if life.ready.is_some() => {
+                assert_eq!(got, superseded);
+                life.ready_due = life.ready_due.max(clock);
+                self.matched(slot, &matched);
+            }
+            AfterStream::Waiting { superseded: got } if life.ready.is_none() => {
+                assert_eq!(got, superseded);
+            }
+            other => panic!("{:?}: unexpected end of a stream: {other:?}", life.key),
+        }
+    }
+
     fn on_cancel(&mut self, slot: usize, epoch: Option<Epoch>, answer: Cancelled<u64, u64>) {
         let life = &mut self.live[slot].1;
         // The epoch D's current registration has (0 when D has not registered).
         let covers = epoch.is_none_or(|epoch| epoch >= life.epoch);
-        if let Some(writing) = life.writing {
+        // A stream holds its registration as a write does: a cancel waits for its end.
+        if let Some(writing) = life.writing.or(life.streaming.map(|(epoch, _)| epoch)) {
             if life.cancelled || covers || epoch == Some(writing) {
                 assert_eq!(answer, Cancelled::Deferred);
                 life.ack_owed = true;
@@ -503,7 +592,10 @@ impl Sim {
             (self.table.len(), self.table.fences(), self.table.tracked_deadlines());
         assert_eq!(
             live,
-            self.live.iter().filter(|(_, l)| l.due().is_some() || l.writing.is_some()).count()
+            self.live
+                .iter()
+                .filter(|(_, l)| l.due().is_some() || l.writing.is_some() || l.streaming.is_some())
+                .count()
         );
         // Lazily deleted heap items stay within a constant factor of what the table holds.
         assert!(heap <= 2 * (live + fences) + SHARDS * 33, "{heap} items for {live} + {fences}");
@@ -541,6 +633,10 @@ fn random_lifecycles_each_end_exactly_once_and_leave_nothing_behind() {
         "old epoch's cancel deferred",
         "rematch before the write",
         "rematch after the write",
+        "stream",
+        "ready during a stream",
+        "cancel during a stream",
+        "re-registered during a stream",
     ] {
         assert!(sim.paths.get(path).is_some_and(|&n| n > 0), "{path} never taken: {:?}", sim.paths);
     }

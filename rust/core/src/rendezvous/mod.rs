@@ -12,6 +12,18 @@
 //!                                      fence_ttl later ─► forgotten
 //! ```
 //!
+//! Layer-wise push adds one loop on the registered side: the writer takes a waiting
+//! registration to write the layers of P's KV that are already final while P still computes
+//! the rest, and gives it back when those WRITEs are done:
+//!
+//! ```text
+//!  Registered ─► Streaming ─► (end_stream) Registered, or Matched if P's whole KV came meanwhile,
+//!   begin_stream                          or Fenced(cancelled) if D cancelled meanwhile
+//! ```
+//!
+//! A streaming entry is held as a write in flight is: it never expires, a cancel waits for
+//! `end_stream`, and a re-registration is matched (with all of P's KV) only after it.
+//!
 //! Whichever half arrives second gets the [`Match`], exactly once. Every registration carries an
 //! [`Epoch`]: a re-registration (D preempted and retried) supersedes a lower epoch, and a stale
 //! epoch is refused. A key that ended leaves a *fence* for [`TableConfig::fence_ttl`], so a half
@@ -192,6 +204,62 @@ pub struct Finished<R, K> {
     pub rematch: Option<Match<R, K>>,
 }
 
+/// What [`RendezvousTable::begin_stream`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamStart<R> {
+    /// D's registration at `epoch`, now held by the caller: write the final layers into it,
+    /// then hand it back with [`RendezvousTable::end_stream`], once none of its WRITEs is in
+    /// flight.
+    Started {
+        /// The registration's epoch.
+        epoch: Epoch,
+        /// D's registration: where to write.
+        registration: R,
+    },
+    /// No registration waits for P's KV: none came yet, or P's whole KV met it already (its
+    /// match writes every layer), or the key is streaming already.
+    NotWaiting,
+    /// The key ended for this reason.
+    Fenced(FenceReason),
+}
+
+/// What [`RendezvousTable::end_stream`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamEnded<R, K> {
+    /// A cancel arrived during the stream: acknowledge it to D now.
+    pub cancel_acknowledged: bool,
+    /// What the key holds now.
+    pub next: AfterStream<R, K>,
+}
+
+/// What a key holds once its stream ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterStream<R, K> {
+    /// A registration waits for P's KV again: the streamed one (stream again as more layers
+    /// become final), or a newer one that arrived during the stream (whose blocks hold none of
+    /// the layers written, and which takes the streamed one's place; see `superseded`).
+    Waiting {
+        /// The streamed registration, when a newer one replaced it: drop it unwritten.
+        superseded: Option<R>,
+    },
+    /// P's whole KV became ready during the stream: the match to write. Its registration is the
+    /// streamed one, or a newer one (whose blocks hold none of the layers written).
+    Matched {
+        /// The match.
+        matched: Match<R, K>,
+        /// The streamed registration, when a newer one replaced it: drop it unwritten.
+        superseded: Option<R>,
+    },
+    /// D cancelled the transfer during the stream; the key is fenced as cancelled. The streamed
+    /// registration comes back, to be dropped unwritten, with P's KV if it became ready.
+    Cancelled {
+        /// The streamed registration.
+        registration: R,
+        /// P's ready payload, when P reported it during the stream: free those blocks.
+        ready: Option<K>,
+    },
+}
+
 /// An entry that [`RendezvousTable::expire`] removed because its deadline passed before any
 /// write began. The key is fenced as expired, for `fence_ttl` from that deadline.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -203,6 +271,7 @@ pub struct Expired<R, K> {
     /// P's ready payload, when P had reported it: free those blocks.
     pub ready: Option<K>,
     /// The entry had been matched: the registration went out in a [`Match`], whose holder learns
-    /// of the expiry from `begin_write` and reports it to D.
+    /// of the expiry from `begin_write` and reports it to D (or, from [`RendezvousTable::drain`],
+    /// in a stream, whose holder reports it).
     pub was_matched: bool,
 }

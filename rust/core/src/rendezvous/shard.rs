@@ -138,6 +138,23 @@ pub(super) enum State<R, K> {
         /// A cancel arrived during the write; it is acknowledged by `finish`.
         ack_owed: bool,
     },
+    /// Layer-wise push: the writer took D's registration at `epoch` to write the layers of P's
+    /// KV that are already final while P's prefill still runs, and some of those WRITEs are in
+    /// flight; only `end_stream` ends this. Like a write in flight it never expires, a cancel is
+    /// deferred to `end_stream` and a re-registration waits for it; P's whole KV, should it
+    /// become ready meanwhile, is held and matched when the stream ends.
+    Streaming {
+        epoch: Epoch,
+        /// The owner of the registration being written, and of any re-registration after it.
+        owner: Owner,
+        /// The registration's own deadline, which applies again once the stream ends.
+        registration_deadline: Instant,
+        /// P's whole KV and its deadline, when it became ready during the stream.
+        ready: Option<(K, Instant)>,
+        after: AfterWrite<R>,
+        /// A cancel arrived during the stream; it is acknowledged by `end_stream`.
+        ack_owed: bool,
+    },
     /// The key ended; late arrivals are refused until `until`.
     Fenced { reason: FenceReason, until: Instant },
 }
@@ -148,7 +165,8 @@ impl<R, K> State<R, K> {
         match self {
             Self::Registered { owner, .. }
             | Self::Matched { owner, .. }
-            | Self::InFlight { owner, .. } => Some(*owner),
+            | Self::InFlight { owner, .. }
+            | Self::Streaming { owner, .. } => Some(*owner),
             Self::Ready { .. } | Self::Fenced { .. } => None,
         }
     }
@@ -160,13 +178,13 @@ impl<R, K> State<R, K> {
             Self::Matched { ready_deadline, registration_deadline, .. } => {
                 Some((*ready_deadline).min(*registration_deadline))
             }
-            Self::InFlight { .. } => None,
+            Self::InFlight { .. } | Self::Streaming { .. } => None,
             Self::Fenced { until, .. } => Some(*until),
         }
     }
 }
 
-/// What becomes of an in-flight entry when its write finishes.
+/// What becomes of an in-flight (or streaming) entry when its write (or stream) ends.
 pub(super) enum AfterWrite<R> {
     /// Nothing newer arrived: the key ends, fenced with the write's outcome.
     End,

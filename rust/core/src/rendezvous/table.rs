@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use super::shard::{take_entry, AfterWrite, Entry, Kind, Shard, State, StoredKey, Taken};
 use super::{
-    Arrival, Cancelled, Epoch, Expired, FenceReason, Finished, Match, Outcome, Owner,
-    RendezvousError, TableConfig, TakeReady, ANY_OWNER,
+    AfterStream, Arrival, Cancelled, Epoch, Expired, FenceReason, Finished, Match, Outcome, Owner,
+    RendezvousError, StreamEnded, StreamStart, TableConfig, TakeReady, ANY_OWNER,
 };
 use crate::key::TransferKey;
 use crate::sync::{lock, AtomicUsize, CachePadded, Mutex, MutexGuard, Ordering};
@@ -142,6 +142,25 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 };
                 (state, result)
             }
+            State::Streaming {
+                epoch: streaming,
+                owner,
+                registration_deadline,
+                ready,
+                after,
+                ack_owed,
+            } => {
+                let (after, result) = incoming.register_during_write(streaming, after);
+                let state = State::Streaming {
+                    epoch: streaming,
+                    owner,
+                    registration_deadline,
+                    ready,
+                    after,
+                    ack_owed,
+                };
+                (state, result)
+            }
             State::Fenced { reason, until } => {
                 (State::Fenced { reason, until }, incoming.refuse_fenced(reason))
             }
@@ -184,11 +203,33 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 };
                 (state, Ok(Arrival::Matched(matched)))
             }
+            // The stream's WRITEs must finish before the whole KV's: held for `end_stream`.
+            State::Streaming {
+                epoch,
+                owner,
+                registration_deadline,
+                ready: None,
+                after,
+                ack_owed,
+            } => {
+                let state = State::Streaming {
+                    epoch,
+                    owner,
+                    registration_deadline,
+                    ready: Some((ready, deadline)),
+                    after,
+                    ack_owed,
+                };
+                (state, Ok(Arrival::Waiting { superseded: None }))
+            }
             State::Fenced { reason, until } => (
                 State::Fenced { reason, until },
                 Err(RendezvousError::Fenced { key: key.clone(), reason }),
             ),
-            state @ (State::Ready { .. } | State::Matched { .. } | State::InFlight { .. }) => {
+            state @ (State::Ready { .. }
+            | State::Matched { .. }
+            | State::InFlight { .. }
+            | State::Streaming { .. }) => {
                 (state, Err(RendezvousError::DuplicateReady { key: key.clone() }))
             }
         };
@@ -308,6 +349,130 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         result
     }
 
+    /// Layer-wise push: takes the registration waiting for P's KV under `key` (and within its
+    /// deadline), to write the layers that are final before the whole KV is. On [`StreamStart::Started`] the entry is
+    /// streaming: it no longer expires, a cancel is deferred and a re-registration waits, until
+    /// [`end_stream`](Self::end_stream) hands the registration back. Call that once none of the
+    /// stream's WRITEs is in flight.
+    pub fn begin_stream(&self, key: &TransferKey, now: Instant) -> StreamStart<R> {
+        let (hash, mut shard) = self.shard(key);
+        let Some(taken) = self.take(&mut shard, hash, key, now) else {
+            return StreamStart::NotWaiting;
+        };
+        let (state, result) = match taken.state {
+            // One past its deadline is left for `expire`, which fails it.
+            State::Registered { epoch, owner, registration, deadline } if deadline > now => {
+                let state = State::Streaming {
+                    epoch,
+                    owner,
+                    registration_deadline: deadline,
+                    ready: None,
+                    after: AfterWrite::End,
+                    ack_owed: false,
+                };
+                (state, StreamStart::Started { epoch, registration })
+            }
+            State::Fenced { reason, until } => {
+                (State::Fenced { reason, until }, StreamStart::Fenced(reason))
+            }
+            state => (state, StreamStart::NotWaiting),
+        };
+        self.settle(&mut shard, taken.key, taken.kind, state, now);
+        result
+    }
+
+    /// The stream of `key` at `epoch` ended: none of its WRITEs is in flight, and `registration`
+    /// (the one [`begin_stream`](Self::begin_stream) handed out) comes back. The key waits again,
+    /// is matched (P's whole KV became ready during the stream) or ends (D cancelled it); see
+    /// [`AfterStream`]. Deadlines that ran out during the stream end the key at the next
+    /// `expire`.
+    pub fn end_stream(
+        &self,
+        key: &TransferKey,
+        epoch: Epoch,
+        registration: R,
+        now: Instant,
+    ) -> Result<StreamEnded<R, K>, RendezvousError> {
+        let (hash, mut shard) = self.shard(key);
+        let Some(taken) = self.take(&mut shard, hash, key, now) else {
+            drop(shard);
+            drop(registration);
+            return Err(RendezvousError::NotMatched { key: key.clone(), epoch });
+        };
+        let (state, result) = match taken.state {
+            State::Streaming {
+                epoch: streaming,
+                owner,
+                registration_deadline,
+                ready,
+                after,
+                ack_owed,
+            } if streaming == epoch => {
+                let (state, next) = match after {
+                    AfterWrite::Cancelled => {
+                        let ready = ready.map(|(ready, _)| ready);
+                        let next = AfterStream::Cancelled { registration, ready };
+                        (self.fence_from(FenceReason::Cancelled, now), next)
+                    }
+                    AfterWrite::End => {
+                        let waiting = (epoch, registration, registration_deadline);
+                        Self::after_stream(key, owner, waiting, ready, None, now)
+                    }
+                    AfterWrite::Rematch { epoch, registration: newer, deadline } => {
+                        let waiting = (epoch, newer, deadline);
+                        Self::after_stream(key, owner, waiting, ready, Some(registration), now)
+                    }
+                };
+                (state, Ok(StreamEnded { cancel_acknowledged: ack_owed, next }))
+            }
+            State::Fenced { reason, until } => (
+                State::Fenced { reason, until },
+                Err(RendezvousError::Fenced { key: key.clone(), reason }),
+            ),
+            state => (state, Err(RendezvousError::NotMatched { key: key.clone(), epoch })),
+        };
+        self.settle(&mut shard, taken.key, taken.kind, state, now);
+        drop(shard);
+        result
+    }
+
+    /// A stream ended with `waiting` (epoch, registration, deadline) the registration to keep:
+    /// matched to P's whole KV if it is ready, else waiting for it.
+    fn after_stream(
+        key: &TransferKey,
+        owner: Owner,
+        (epoch, registration, deadline): (Epoch, R, Instant),
+        ready: Option<(K, Instant)>,
+        superseded: Option<R>,
+        now: Instant,
+    ) -> (State<R, K>, AfterStream<R, K>) {
+        // As after a write: deadlines that ran out meanwhile end the key at the next `expire`,
+        // with a fence that lasts from now.
+        let registration_deadline = deadline.max(now);
+        match ready {
+            Some((ready, ready_deadline)) => {
+                let matched = Match { key: key.clone(), epoch, registration, ready: ready.clone() };
+                let state = State::Matched {
+                    epoch,
+                    owner,
+                    ready,
+                    ready_deadline: ready_deadline.max(now),
+                    registration_deadline,
+                };
+                (state, AfterStream::Matched { matched, superseded })
+            }
+            None => {
+                let state = State::Registered {
+                    epoch,
+                    owner,
+                    registration,
+                    deadline: registration_deadline,
+                };
+                (state, AfterStream::Waiting { superseded })
+            }
+        }
+    }
+
     /// D cancels `key`: its registration at `epoch`, or whatever epoch with `None`.
     ///
     /// A cancel whose epoch is at least the table's registration epoch (or `None`) cancels the
@@ -377,6 +542,26 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 };
                 (state, result)
             }
+            State::Streaming {
+                epoch: streaming,
+                owner,
+                registration_deadline,
+                ready,
+                after,
+                ack_owed,
+            } => {
+                let (after, ack_owed, result) =
+                    cancel_during_write(epoch, streaming, after, ack_owed);
+                let state = State::Streaming {
+                    epoch: streaming,
+                    owner,
+                    registration_deadline,
+                    ready,
+                    after,
+                    ack_owed,
+                };
+                (state, result)
+            }
             // A stale cancel (its registration was superseded and never written) or a fence.
             state => (state, Cancelled::NotFound),
         };
@@ -410,7 +595,8 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
         let mut purged = Vec::new();
         let select = |state: &State<R, K>| match state {
             State::Registered { registration, .. }
-            | State::InFlight { after: AfterWrite::Rematch { registration, .. }, .. } => {
+            | State::InFlight { after: AfterWrite::Rematch { registration, .. }, .. }
+            | State::Streaming { after: AfterWrite::Rematch { registration, .. }, .. } => {
                 lost(registration)
             }
             _ => false,
@@ -432,13 +618,32 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 let after = AfterWrite::End;
                 State::InFlight { epoch: writing, owner, ready, ready_deadline, after, ack_owed }
             }
+            State::Streaming {
+                epoch: streaming,
+                owner,
+                registration_deadline,
+                ready,
+                after: AfterWrite::Rematch { epoch, registration, .. },
+                ack_owed,
+            } => {
+                purged.push((key.clone(), epoch, registration));
+                let after = AfterWrite::End;
+                State::Streaming {
+                    epoch: streaming,
+                    owner,
+                    registration_deadline,
+                    ready,
+                    after,
+                    ack_owed,
+                }
+            }
             state => state,
         });
         purged
     }
 
-    /// Ends every live entry, writes in flight included (their writer is gone): for when the
-    /// writer itself stopped. Each key is fenced as failed; returns what each entry held, as
+    /// Ends every live entry, writes and streams in flight included (their writer is gone): for
+    /// when the writer itself stopped. Each key is fenced as failed; returns what each entry held, as
     /// [`expire`](Self::expire) does, so that D can be told and P's blocks freed.
     pub fn drain(&self, now: Instant) -> Vec<Expired<R, K>> {
         let mut drained = Vec::new();
@@ -452,6 +657,8 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 State::Matched { ready, .. } | State::InFlight { ready, .. } => {
                     (None, Some(ready), true)
                 }
+                // The registration is the stream's holder's, which the drain stops too.
+                State::Streaming { ready, .. } => (None, ready.map(|(ready, _)| ready), true),
                 fence @ State::Fenced { .. } => return fence,
             };
             drained.push(Expired { key: key.clone(), registration, ready, was_matched });
@@ -510,7 +717,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     }
 
     /// Whether `owner`'s registration of `key` at `epoch` is live: waiting for P's KV, matched,
-    /// being written, or waiting for the write in flight to finish. A registration that repeats
+    /// being written or streamed, or waiting for the write or stream in flight to finish. A registration that repeats
     /// it is a duplicate: it needs neither a place in the table nor a reply.
     pub fn holds(&self, key: &TransferKey, epoch: Epoch, owner: Owner) -> bool {
         let (hash, shard) = self.shard(key);
@@ -524,7 +731,8 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             | State::Matched { epoch: held, owner: holder, .. } => {
                 *held == epoch && *holder == owner
             }
-            State::InFlight { epoch: writing, owner: holder, after, .. } => {
+            State::InFlight { epoch: writing, owner: holder, after, .. }
+            | State::Streaming { epoch: writing, owner: holder, after, .. } => {
                 let waiting =
                     matches!(after, AfterWrite::Rematch { epoch: next, .. } if *next == epoch);
                 *holder == owner && (*writing == epoch || waiting)
@@ -677,7 +885,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 }
                 State::Ready { ready, .. } => (None, Some(ready), false),
                 State::Matched { ready, .. } => (None, Some(ready), true),
-                state @ State::InFlight { .. } => {
+                state @ (State::InFlight { .. } | State::Streaming { .. }) => {
                     // Never due, so never here; put it back should that change rather than
                     // expire a write.
                     shard.put(key, Kind::Live(None), state);

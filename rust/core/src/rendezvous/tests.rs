@@ -658,3 +658,184 @@ fn errors_say_what_happened_and_what_to_do() {
     assert!(nm.to_string().contains("transfer x epoch 2"), "{nm}");
     assert!(nm.to_string().contains("drop this match"), "{nm}");
 }
+
+/// The registration a stream took.
+fn started<R: fmt::Debug>(start: StreamStart<R>) -> (Epoch, R) {
+    match start {
+        StreamStart::Started { epoch, registration } => (epoch, registration),
+        other => panic!("expected a stream, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_stream_holds_the_registration_until_it_ends_then_it_waits_again() {
+    let (table, c) = (table(), Clock::new());
+    waiting(table.register(key("a"), 1, "d", c.at(100), c.at(0)));
+    assert_eq!(started(table.begin_stream(&key("a"), c.at(1))), (1, "d"));
+    assert_eq!(table.begin_stream(&key("a"), c.at(2)), StreamStart::NotWaiting, "one at a time");
+    assert!(table.holds(&key("a"), 1, ANY_OWNER), "a repeated registration is a duplicate");
+    assert!(table.expire(c.at(50_000)).is_empty(), "a stream never expires");
+    assert_eq!(table.tracked_deadlines(), 0);
+
+    let ended = table.end_stream(&key("a"), 1, "d", c.at(3)).unwrap();
+    assert_eq!(
+        ended,
+        StreamEnded { cancel_acknowledged: false, next: AfterStream::Waiting { superseded: None } }
+    );
+    // Streamed again as more layers become final, then matched to P's whole KV.
+    assert_eq!(started(table.begin_stream(&key("a"), c.at(4))), (1, "d"));
+    table.end_stream(&key("a"), 1, "d", c.at(5)).unwrap();
+    let m = matched(table.ready(key("a"), vec![7], c.at(100), c.at(6)));
+    assert_eq!((m.epoch, m.registration, m.ready), (1, "d", vec![7]));
+    table.begin_write(&key("a"), 1).unwrap();
+    assert_eq!(table.begin_stream(&key("a"), c.at(7)), StreamStart::NotWaiting);
+    table.finish(&key("a"), 1, Outcome::Done, c.at(8)).unwrap();
+    assert_eq!(table.begin_stream(&key("a"), c.at(9)), StreamStart::Fenced(FenceReason::Delivered));
+    assert_drains(&table, &c);
+}
+
+#[test]
+fn only_a_waiting_registration_within_its_deadline_streams() {
+    let (table, c) = (table(), Clock::new());
+    assert_eq!(table.begin_stream(&key("absent"), c.at(0)), StreamStart::NotWaiting);
+    waiting(table.ready(key("ready"), vec![1], c.at(100), c.at(0)));
+    assert_eq!(table.begin_stream(&key("ready"), c.at(0)), StreamStart::NotWaiting);
+    waiting(table.register(key("matched"), 1, "d", c.at(100), c.at(0)));
+    matched(table.ready(key("matched"), vec![1], c.at(100), c.at(0)));
+    assert_eq!(table.begin_stream(&key("matched"), c.at(0)), StreamStart::NotWaiting);
+    waiting(table.register(key("late"), 1, "d", c.at(10), c.at(0)));
+    assert_eq!(table.begin_stream(&key("late"), c.at(10)), StreamStart::NotWaiting);
+    assert_eq!(table.expire(c.at(10)).len(), 1, "left for expire, which fails it");
+    table.cancel(&key("cancelled"), None, c.at(0));
+    assert_eq!(
+        table.begin_stream(&key("cancelled"), c.at(1)),
+        StreamStart::Fenced(FenceReason::Cancelled)
+    );
+    assert_drains(&table, &c);
+}
+
+#[test]
+fn p_ready_during_a_stream_is_matched_when_the_stream_ends() {
+    let (table, c) = (table(), Clock::new());
+    waiting(table.register(key("a"), 1, "d", c.at(100), c.at(0)));
+    started(table.begin_stream(&key("a"), c.at(0)));
+    assert_eq!(waiting(table.ready(key("a"), vec![3], c.at(100), c.at(1))), None);
+    assert_eq!(
+        table.ready(key("a"), vec![3], c.at(100), c.at(2)),
+        Err(RendezvousError::DuplicateReady { key: key("a") })
+    );
+    assert!(
+        matches!(table.begin_write(&key("a"), 1), Err(RendezvousError::NotMatched { .. })),
+        "the whole KV waits for the stream's WRITEs"
+    );
+    let ended = table.end_stream(&key("a"), 1, "d", c.at(3)).unwrap();
+    let AfterStream::Matched { matched: m, superseded: None } = ended.next else {
+        panic!("expected a match, got {:?}", ended.next);
+    };
+    assert_eq!((m.epoch, m.registration, m.ready), (1, "d", vec![3]));
+    table.begin_write(&key("a"), 1).unwrap();
+    table.finish(&key("a"), 1, Outcome::Done, c.at(4)).unwrap();
+    assert_drains(&table, &c);
+}
+
+#[test]
+fn a_cancel_during_a_stream_is_acknowledged_when_it_ends() {
+    let (table, c) = (table(), Clock::new());
+    waiting(table.register(key("a"), 1, "d", c.at(100), c.at(0)));
+    started(table.begin_stream(&key("a"), c.at(0)));
+    waiting(table.ready(key("a"), vec![4], c.at(100), c.at(1)));
+    assert_eq!(table.cancel(&key("a"), Some(1), c.at(2)), Cancelled::Deferred);
+    assert_eq!(table.len(), 1, "held until the stream's WRITEs are done");
+    assert_eq!(
+        table.register(key("a"), 2, "d2", c.at(100), c.at(3)),
+        Err(RendezvousError::Fenced { key: key("a"), reason: FenceReason::Cancelled })
+    );
+    let ended = table.end_stream(&key("a"), 1, "d", c.at(4)).unwrap();
+    assert_eq!(
+        ended,
+        StreamEnded {
+            cancel_acknowledged: true,
+            next: AfterStream::Cancelled { registration: "d", ready: Some(vec![4]) },
+        }
+    );
+    assert_eq!((table.len(), table.fences()), (0, 1));
+    assert_eq!(table.begin_stream(&key("a"), c.at(5)), StreamStart::Fenced(FenceReason::Cancelled));
+    assert_drains(&table, &c);
+}
+
+#[test]
+fn a_reregistration_during_a_stream_replaces_the_streamed_one_when_it_ends() {
+    let (table, c) = (table(), Clock::new());
+    // Without P's KV: the newer registration waits, and is what streams next.
+    waiting(table.register(key("a"), 1, "d1", c.at(100), c.at(0)));
+    started(table.begin_stream(&key("a"), c.at(0)));
+    assert_eq!(waiting(table.register(key("a"), 2, "d2", c.at(100), c.at(1))), None);
+    assert!(matches!(
+        table.register(key("a"), 2, "d2", c.at(100), c.at(1)),
+        Err(RendezvousError::StaleEpoch { current: 2, .. })
+    ));
+    assert!(table.holds(&key("a"), 2, ANY_OWNER));
+    let ended = table.end_stream(&key("a"), 1, "d1", c.at(2)).unwrap();
+    assert_eq!(ended.next, AfterStream::Waiting { superseded: Some("d1") });
+    assert_eq!(started(table.begin_stream(&key("a"), c.at(3))), (2, "d2"));
+
+    // With P's KV: matched to the newer registration, whose blocks hold none of the layers.
+    assert_eq!(waiting(table.register(key("a"), 3, "d3", c.at(100), c.at(4))), None);
+    waiting(table.ready(key("a"), vec![5], c.at(100), c.at(5)));
+    assert!(
+        matches!(
+            table.end_stream(&key("a"), 3, "d2", c.at(6)),
+            Err(RendezvousError::NotMatched { epoch: 3, .. })
+        ),
+        "the stream is at epoch 2"
+    );
+    let ended = table.end_stream(&key("a"), 2, "d2", c.at(6)).unwrap();
+    let AfterStream::Matched { matched: m, superseded } = ended.next else {
+        panic!("expected a match, got {:?}", ended.next);
+    };
+    assert_eq!((m.epoch, m.registration, m.ready, superseded), (3, "d3", vec![5], Some("d2")));
+    assert_eq!(
+        table.end_stream(&key("gone"), 1, "d", c.at(7)),
+        Err(RendezvousError::NotMatched { key: key("gone"), epoch: 1 })
+    );
+    assert_drains(&table, &c);
+}
+
+#[test]
+fn deadlines_that_ran_out_during_a_stream_end_the_key_after_it() {
+    let (table, c) = (table(), Clock::new());
+    waiting(table.register(key("a"), 1, "d", c.at(10), c.at(0)));
+    started(table.begin_stream(&key("a"), c.at(1)));
+    assert!(table.expire(c.at(500)).is_empty());
+    table.end_stream(&key("a"), 1, "d", c.at(600)).unwrap();
+    let expired = table.expire(c.at(600));
+    assert_eq!(expired.len(), 1);
+    assert_eq!(expired[0].registration, Some((1, "d")), "D is failed, P never wrote it all");
+    assert_eq!(
+        table.ready(key("a"), vec![1], c.at(2_000), c.at(600 + TTL_MS - 1)),
+        Err(RendezvousError::Fenced { key: key("a"), reason: FenceReason::Expired })
+    );
+    assert_drains(&table, &c);
+}
+
+#[test]
+fn purge_and_drain_reach_streaming_entries() {
+    let (table, c) = (table(), Clock::new());
+    waiting(table.register(key("a"), 1, "alive", c.at(100), c.at(0)));
+    started(table.begin_stream(&key("a"), c.at(0)));
+    waiting(table.register(key("a"), 2, "lost", c.at(100), c.at(1)));
+    assert_eq!(table.purge(|r| *r == "lost", c.at(2)), vec![(key("a"), 2, "lost")]);
+    let ended = table.end_stream(&key("a"), 1, "alive", c.at(3)).unwrap();
+    assert_eq!(ended.next, AfterStream::Waiting { superseded: None }, "the lost one is gone");
+
+    started(table.begin_stream(&key("a"), c.at(4)));
+    waiting(table.ready(key("a"), vec![9], c.at(100), c.at(5)));
+    let drained = table.drain(c.at(6));
+    assert_eq!(drained.len(), 1);
+    assert_eq!(
+        (drained[0].registration, drained[0].ready.clone(), drained[0].was_matched),
+        (None, Some(vec![9]), true),
+        "the stream's holder has the registration"
+    );
+    assert_drains(&table, &c);
+}
