@@ -371,6 +371,21 @@ pub enum PlanError {
         /// The repeated id.
         block: u32,
     },
+    /// A write of some regions (layer-wise push) names regions the layouts do not have.
+    #[error(
+        "request {request}: regions {start}..{end} asked for, but the layouts have {count} \
+         regions"
+    )]
+    RegionsOutOfRange {
+        /// The request.
+        request: String,
+        /// The first region asked for.
+        start: usize,
+        /// One past the last region asked for.
+        end: usize,
+        /// Regions in the layouts.
+        count: usize,
+    },
 }
 
 impl PlanError {
@@ -386,6 +401,7 @@ impl PlanError {
             Self::BlockCountMismatch { .. } => "block_count_mismatch",
             Self::BlockOutOfRange { .. } => "block_out_of_range",
             Self::DuplicateBlock { .. } => "duplicate_block",
+            Self::RegionsOutOfRange { .. } => "regions_out_of_range",
         }
     }
 
@@ -399,7 +415,8 @@ impl PlanError {
             | Self::SourceMissesTokens { request, .. }
             | Self::BlockCountMismatch { request, .. }
             | Self::BlockOutOfRange { request, .. }
-            | Self::DuplicateBlock { request, .. } => Some(request),
+            | Self::DuplicateBlock { request, .. }
+            | Self::RegionsOutOfRange { request, .. } => Some(request),
         }
     }
 }
@@ -626,16 +643,35 @@ impl Planner {
     /// The blocks the pairs name, copied in order, are exactly the bytes of `req`'s runs. Call it
     /// only for a request [`Planner::plan`] accepted: it relies on that validation.
     pub fn block_indices_into(&self, req: &PlanRequest<'_>, out: &mut BlockIndices) -> bool {
+        self.block_indices_of_regions_into(req, 0..self.regions.len(), out)
+    }
+
+    /// [`block_indices_into`](Self::block_indices_into) for the regions `regions` only (as
+    /// [`plan_regions`](Self::plan_regions) plans them); `false` also when the range is not
+    /// inside the layouts'.
+    pub fn block_indices_of_regions_into(
+        &self,
+        req: &PlanRequest<'_>,
+        regions: Range<usize>,
+        out: &mut BlockIndices,
+    ) -> bool {
         out.clear();
-        if self.fill_block_indices(req, out).is_none() {
+        if self.fill_block_indices(req, regions, out).is_none() {
             out.clear();
             return false;
         }
         true
     }
 
-    fn fill_block_indices(&self, req: &PlanRequest<'_>, out: &mut BlockIndices) -> Option<()> {
+    fn fill_block_indices(
+        &self,
+        req: &PlanRequest<'_>,
+        regions: Range<usize>,
+        out: &mut BlockIndices,
+    ) -> Option<()> {
         let tables = self.blocks.as_ref()?;
+        let chosen = self.regions.get(regions.clone())?;
+        let firsts = tables.first.get(regions)?;
         let kernel = u64::from(self.src.kernel_block_tokens);
         if req.num_tokens % kernel != 0 || req.src.len() != self.limits.len() {
             return None;
@@ -654,10 +690,10 @@ impl Planner {
             out.groups.push(start..out.pairs.len());
         }
         let per_region = |r: &RegionPair| out.groups.get(r.group).map_or(0, |g| g.len());
-        let total: usize = self.regions.iter().map(per_region).sum();
+        let total: usize = chosen.iter().map(per_region).sum();
         out.src.reserve(total);
         out.dst.reserve(total);
-        for (region, &(src_first, dst_first)) in self.regions.iter().zip(&tables.first) {
+        for (region, &(src_first, dst_first)) in chosen.iter().zip(firsts) {
             let pairs = out.groups.get(region.group).and_then(|g| out.pairs.get(g.clone()))?;
             // No overflow: validated ids address kernel blocks inside the region, and the
             // table's size fits in u32 (`BlockTables::new`).
@@ -669,10 +705,27 @@ impl Planner {
 
     /// Validates `req` and returns its runs.
     pub fn plan(&self, req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
-        let compact = self.plan_compact(req)?;
+        self.plan_regions(req, 0..self.regions.len())
+    }
+
+    /// Validates `req` and returns the runs of the regions `regions` (layout order) alone: the
+    /// runs [`plan`](Self::plan) writes into those regions, merged among themselves. Layer-wise
+    /// push writes a layer's regions as soon as its KV is final; the plans of ranges that
+    /// partition the layouts' regions write exactly what `plan` writes.
+    pub fn plan_regions(
+        &self,
+        req: &PlanRequest<'_>,
+        regions: Range<usize>,
+    ) -> Result<Plan, PlanError> {
+        let compact = self.plan_compact_regions(req, regions)?;
         let mut runs = Vec::new();
         compact.expand_into(&mut runs);
         Ok(Plan { runs, stats: compact.stats })
+    }
+
+    /// The number of regions in the layouts (the same on both sides).
+    pub fn region_count(&self) -> usize {
+        self.regions.len()
     }
 
     /// Validates `req` and appends its runs to `out`, so a caller can reuse one buffer.
@@ -697,7 +750,23 @@ impl Planner {
     /// the bases differ), so this costs O(blocks + regions) where the runs are O(blocks x
     /// regions).
     pub fn plan_compact(&self, req: &PlanRequest<'_>) -> Result<CompactPlan, PlanError> {
+        self.plan_compact_regions(req, 0..self.regions.len())
+    }
+
+    fn plan_compact_regions(
+        &self,
+        req: &PlanRequest<'_>,
+        regions: Range<usize>,
+    ) -> Result<CompactPlan, PlanError> {
         self.validate(req)?;
+        let Some(chosen) = self.regions.get(regions.clone()) else {
+            return Err(PlanError::RegionsOutOfRange {
+                request: req.request.to_owned(),
+                start: regions.start,
+                end: regions.end,
+                count: self.regions.len(),
+            });
+        };
         let mut plan = CompactPlan::default();
         if !self.writes_anything() {
             return Ok(plan);
@@ -717,7 +786,7 @@ impl Planner {
         let mut last_end: Option<(u64, u64)> = None;
         // Regions outside, tokens inside: a region's consecutive blocks then follow each other in
         // the output and merge, and the last run of a region can merge with the next region's.
-        for region in &self.regions {
+        for region in chosen {
             let Some(group) = groups.get(region.group) else {
                 continue; // unreachable: validate() checked one list per group
             };

@@ -459,6 +459,47 @@ proptest! {
         }
     }
 
+    /// Layer-wise push: the regions split anywhere, the two parts' plans (runs and block
+    /// indices) write exactly what the whole plan writes, and the byte counts add up.
+    #[test]
+    fn plans_of_split_regions_write_the_whole_plan(case in case(), cut in any::<prop::sample::Index>()) {
+        let planner = case.planner();
+        let count = planner.region_count();
+        let cut = cut.index(count + 1);
+        let whole = case.plan().expect("a valid request plans");
+        let (head, tail) = case.with_request(|req| {
+            (planner.plan_regions(req, 0..cut), planner.plan_regions(req, cut..count))
+        });
+        let (head, tail) = (head.expect("plans"), tail.expect("plans"));
+        prop_assert_eq!(head.stats.bytes + tail.stats.bytes, whole.stats.bytes);
+        let (src_mem, dst_init) = case.buffers();
+        let mut expected = dst_init.clone();
+        apply(&whole.runs, &src_mem, &mut expected);
+        let mut parts = dst_init.clone();
+        apply(&head.runs, &src_mem, &mut parts);
+        apply(&tail.runs, &src_mem, &mut parts);
+        prop_assert_eq!(first_difference(&parts, &expected), None);
+
+        let mut blocks = BlockIndices::default();
+        if case.with_request(|req| planner.block_indices_into(req, &mut blocks)) {
+            let tables = planner.block_tables().expect("tables come with indices");
+            let mut by_block = dst_init;
+            for range in [0..cut, cut..count] {
+                let given = case.with_request(|req| {
+                    planner.block_indices_of_regions_into(req, range, &mut blocks)
+                });
+                prop_assert!(given);
+                apply(&block_runs(tables, &blocks), &src_mem, &mut by_block);
+            }
+            prop_assert_eq!(first_difference(&by_block, &expected), None);
+        }
+        let beyond = case.with_request(|req| planner.plan_regions(req, cut..count + 1));
+        prop_assert!(
+            matches!(beyond, Err(PlanError::RegionsOutOfRange { .. })),
+            "a range past the layouts' regions is refused"
+        );
+    }
+
     /// Runs are disjoint on D, maximal (no two neighbours continue each other on both sides),
     /// and add up to exactly the request's tokens x shared heads x head bytes x regions.
     #[test]
