@@ -45,7 +45,7 @@ impl Shared {
 struct PendingWrite {
     polls_left: u32,
     target: Arc<Shared>,
-    notification: Vec<u8>,
+    notification: Option<Vec<u8>>,
 }
 
 /// The process-wide directory agents are found in.
@@ -156,7 +156,7 @@ impl Transport for LoopbackTransport {
         runs: &[DescriptorRun],
         local: MemorySpace,
         remote: MemorySpace,
-        notification: &[u8],
+        notification: Option<&[u8]>,
     ) -> Result<WriteId, TransportError> {
         let target = Arc::clone(self.peer(peer, "post_write")?);
         for run in runs {
@@ -190,7 +190,7 @@ impl Transport for LoopbackTransport {
         let pending = PendingWrite {
             polls_left: self.polls_until_done,
             target,
-            notification: notification.to_vec(),
+            notification: notification.map(<[u8]>::to_vec),
         };
         self.writes.insert(id, pending);
         Ok(id)
@@ -207,7 +207,9 @@ impl Transport for LoopbackTransport {
         }
         if let Some(done) = self.writes.remove(&write) {
             // As with NIXL, the notification goes out only once the write is complete.
-            deliver(&done.target, &self.name, &done.notification);
+            if let Some(notification) = &done.notification {
+                deliver(&done.target, &self.name, notification);
+            }
         }
         Ok(WriteState::Done)
     }
@@ -259,8 +261,9 @@ mod tests {
             DescriptorRun { src: src.as_ptr() as u64 + 8, dst: dst.as_ptr() as u64, len: 4 },
             DescriptorRun { src: src.as_ptr() as u64, dst: dst.as_ptr() as u64 + 60, len: 4 },
         ];
-        let id =
-            p.post_write("lb-d1", &runs, MemorySpace::DRAM, MemorySpace::DRAM, b"done").unwrap();
+        let id = p
+            .post_write("lb-d1", &runs, MemorySpace::DRAM, MemorySpace::DRAM, Some(b"done"))
+            .unwrap();
         let mut notes = Vec::new();
         d.take_notifications(&mut notes).unwrap();
         assert!(notes.is_empty(), "no notification before the write is reported done");
@@ -274,6 +277,20 @@ mod tests {
     }
 
     #[test]
+    fn a_write_without_a_notification_lands_and_tells_nothing() {
+        let src: Vec<u8> = (0..8).collect();
+        let dst = vec![0u8; 8];
+        let (mut p, mut d) = pair("lb-p3", "lb-d3", &src, &dst);
+        let run = DescriptorRun { src: src.as_ptr() as u64, dst: dst.as_ptr() as u64, len: 8 };
+        let id = p.post_write("lb-d3", &[run], MemorySpace::DRAM, MemorySpace::DRAM, None).unwrap();
+        while p.poll_write(id).unwrap() == WriteState::InProgress {}
+        let mut notes = Vec::new();
+        d.take_notifications(&mut notes).unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+        assert_eq!(dst, src);
+    }
+
+    #[test]
     fn writes_outside_registered_memory_are_refused() {
         let src = vec![1u8; 16];
         let dst = vec![0u8; 16];
@@ -281,12 +298,12 @@ mod tests {
         let past_end =
             [DescriptorRun { src: src.as_ptr() as u64, dst: dst.as_ptr() as u64 + 8, len: 9 }];
         let err = p
-            .post_write("lb-d2", &past_end, MemorySpace::DRAM, MemorySpace::DRAM, b"")
+            .post_write("lb-d2", &past_end, MemorySpace::DRAM, MemorySpace::DRAM, None)
             .unwrap_err();
         assert!(err.detail.contains("lb-d2's registered memory"), "{err}");
         assert!(dst.iter().all(|&b| b == 0));
         let err =
-            p.post_write("nobody", &[], MemorySpace::DRAM, MemorySpace::DRAM, b"").unwrap_err();
+            p.post_write("nobody", &[], MemorySpace::DRAM, MemorySpace::DRAM, None).unwrap_err();
         assert!(err.detail.contains("unknown peer"), "{err}");
     }
 

@@ -178,14 +178,17 @@ pub trait Transport: Send {
     /// Posts a WRITE of `runs` from local memory in `local` into `peer`'s memory in `remote`.
     ///
     /// `notification` reaches the peer only after every byte of the write has landed; the peer
-    /// learns of the write through it and nothing else. Poll the write until it is done.
+    /// learns of the write through it and nothing else. `None` posts a WRITE the peer is not
+    /// told of (a layer written early by layer-wise push: the request's last WRITE carries its
+    /// DONE, and is posted only once the earlier ones are done). Poll the write until it is
+    /// done.
     fn post_write(
         &mut self,
         peer: &str,
         runs: &[DescriptorRun],
         local: MemorySpace,
         remote: MemorySpace,
-        notification: &[u8],
+        notification: Option<&[u8]>,
     ) -> Result<WriteId, TransportError>;
 
     /// Posts `write`, a WRITE of whole blocks, exactly as [`Transport::post_write`] posts its
@@ -199,7 +202,7 @@ pub trait Transport: Send {
         write: &BlockWrite<'_>,
         local: MemorySpace,
         remote: MemorySpace,
-        notification: &[u8],
+        notification: Option<&[u8]>,
     ) -> Result<WriteId, TransportError> {
         self.post_write(peer, write.runs, local, remote, notification)
     }

@@ -232,7 +232,7 @@ impl Transport for Faulty {
         runs: &[DescriptorRun],
         local: MemorySpace,
         remote: MemorySpace,
-        notification: &[u8],
+        notification: Option<&[u8]>,
     ) -> Result<WriteId, TransportError> {
         assert!(self.fault != Fault::PanicOnPost, "injected: the writer thread panics");
         let write = self.inner.post_write(peer, runs, local, remote, notification)?;

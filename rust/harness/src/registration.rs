@@ -564,7 +564,7 @@ struct Post {
     finished: Option<u64>,
     agent: String,
     runs: Vec<DescriptorRun>,
-    notification: Vec<u8>,
+    notification: Option<Vec<u8>>,
 }
 
 /// P's loopback transport, recording every WRITE and ending each as the script's
@@ -615,7 +615,7 @@ impl Transport for Watched {
         runs: &[DescriptorRun],
         local: MemorySpace,
         remote: MemorySpace,
-        notification: &[u8],
+        notification: Option<&[u8]>,
     ) -> Result<WriteId, TransportError> {
         let fate = match self.fate {
             WriteFate::Mixed => {
@@ -637,7 +637,7 @@ impl Transport for Watched {
             finished: None,
             agent: peer.to_owned(),
             runs: runs.to_vec(),
-            notification: notification.to_vec(),
+            notification: notification.map(<[u8]>::to_vec),
         });
         let until = matches!(fate, WriteFate::Overdue).then(|| Instant::now() + OVERDUE);
         self.writes.insert(write, (posts.len() - 1, until, matches!(fate, WriteFate::Failing)));
@@ -1357,11 +1357,12 @@ impl Run {
         let posts = self.posts.lock().unwrap_or_else(PoisonError::into_inner).clone();
         let mut decoder = Decoder::new(Some(secret(SECRET)), Limits::default());
         for post in &posts {
-            let decoded = decoder.decode_unordered(
-                &post.notification,
-                unix_millis(),
-                Duration::from_secs(3_600),
-            );
+            let Some(notification) = &post.notification else {
+                self.violations.push("P posted a WRITE with no notification".to_owned());
+                continue;
+            };
+            let decoded =
+                decoder.decode_unordered(notification, unix_millis(), Duration::from_secs(3_600));
             let done = match decoded.map(|envelope| envelope.message) {
                 Ok(Message::Done(done)) => done,
                 other => {

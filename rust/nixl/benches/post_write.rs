@@ -122,9 +122,9 @@ impl Bench {
                 src: case.blocks.src(),
                 dst: case.blocks.dst(),
             };
-            self.a.post_block_write(&self.peer, black_box(&write), dram, dram, b"done")
+            self.a.post_block_write(&self.peer, black_box(&write), dram, dram, Some(b"done"))
         } else {
-            self.a.post_write(&self.peer, black_box(&case.runs), dram, dram, b"done")
+            self.a.post_write(&self.peer, black_box(&case.runs), dram, dram, Some(b"done"))
         };
         let took = start.elapsed();
         self.finish(write.expect("posted"));

@@ -693,8 +693,14 @@ impl OptArgs {
         Ok(Self { api: Arc::clone(api), raw })
     }
 
-    /// Makes the next request created with these args carry `payload` as its notification.
-    pub(crate) fn set_notification(&mut self, payload: &[u8]) -> Result<(), NixlError> {
+    /// Makes the next request created with these args carry `payload` as its notification, or
+    /// no notification with `None`.
+    pub(crate) fn set_notification(&mut self, payload: Option<&[u8]>) -> Result<(), NixlError> {
+        let Some(payload) = payload else {
+            // SAFETY: the args are alive.
+            let code = unsafe { (self.api.opt_args_set_has_notif)(self.raw.as_ptr(), false) };
+            return check("opt_args_set_has_notif", code, String::new);
+        };
         // SAFETY: the args and `payload` are alive; NIXL copies the bytes. A null pointer is
         // never passed: an empty slice's pointer is dangling but non-null, with length 0.
         let code = unsafe {

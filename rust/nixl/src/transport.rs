@@ -161,10 +161,11 @@ enum Pending {
         runs: usize,
         bytes: u64,
     },
-    /// A write of no bytes: its notification goes out when it is polled, like the loopback's.
+    /// A write of no bytes: its notification, if any, goes out when it is polled, like the
+    /// loopback's.
     NotifyOnly {
         peer: Rc<str>,
-        payload: Vec<u8>,
+        payload: Option<Vec<u8>>,
     },
     /// A write that failed (its post, or a poll) and whose request the backend would not let
     /// go: some of its operations may still be moving bytes. It stays in progress for the
@@ -426,7 +427,7 @@ impl Transport for NixlTransport {
         runs: &[DescriptorRun],
         local: MemorySpace,
         remote: MemorySpace,
-        notification: &[u8],
+        notification: Option<&[u8]>,
     ) -> Result<WriteId, TransportError> {
         const OP: &str = "post_write";
         let id = WriteId(self.next_write);
@@ -435,7 +436,7 @@ impl Transport for NixlTransport {
         let peer_name = Rc::clone(&target.name);
         if runs.is_empty() {
             self.next_write += 1;
-            let payload = notification.to_vec();
+            let payload = notification.map(<[u8]>::to_vec);
             self.writes.insert(id, Pending::NotifyOnly { peer: peer_name, payload });
             return Ok(id);
         }
@@ -469,7 +470,7 @@ impl Transport for NixlTransport {
         write: &BlockWrite<'_>,
         local: MemorySpace,
         remote: MemorySpace,
-        notification: &[u8],
+        notification: Option<&[u8]>,
     ) -> Result<WriteId, TransportError> {
         const OP: &str = "post_write";
         if write.src.is_empty()
@@ -537,8 +538,11 @@ impl Transport for NixlTransport {
         };
         match (pending, polled) {
             (Pending::NotifyOnly { peer, payload }, _) => {
-                let target = self.peer(&peer, OP)?;
-                self.agent.send_notification(&target.c_name, &payload).map_err(|e| err(OP, e))?;
+                if let Some(payload) = payload {
+                    let target = self.peer(&peer, OP)?;
+                    let sent = self.agent.send_notification(&target.c_name, &payload);
+                    sent.map_err(|e| err(OP, e))?;
+                }
                 Ok(WriteState::Done)
             }
             (Pending::Write { request, .. }, Ok(_)) => {
@@ -624,7 +628,7 @@ mod tests {
         let run =
             DescriptorRun { src: src.as_ptr() as u64, dst: dst.as_ptr() as u64, len: LEN as u64 };
         let posted =
-            a.post_write(&peer, &[run], MemorySpace::DRAM, MemorySpace::DRAM, b"done".as_slice());
+            a.post_write(&peer, &[run], MemorySpace::DRAM, MemorySpace::DRAM, Some(b"done"));
         (a, b, posted)
     }
 
@@ -666,7 +670,7 @@ mod tests {
         faults::inject(&FAILED_POSTS, 1);
         let run = DescriptorRun { src: src.as_ptr() as u64, dst: dst.as_ptr() as u64, len: 8 };
         let peer = b.name().to_owned();
-        let refused = a.post_write(&peer, &[run], MemorySpace::DRAM, MemorySpace::DRAM, b"x");
+        let refused = a.post_write(&peer, &[run], MemorySpace::DRAM, MemorySpace::DRAM, Some(b"x"));
         assert!(refused.is_err());
         assert_eq!(a.writes_in_flight(), 0);
         drop((a, b));

@@ -199,9 +199,9 @@ impl Pair {
         let (dram, a) = (MemorySpace::DRAM, &mut self.a);
         let posted = if prepared {
             let write = request.block_write(&self.src_table, &self.dst_table);
-            a.post_block_write(&peer, &write, dram, dram, note)
+            a.post_block_write(&peer, &write, dram, dram, Some(note))
         } else {
-            a.post_write(&peer, &request.runs, dram, dram, note)
+            a.post_write(&peer, &request.runs, dram, dram, Some(note))
         };
         posted.unwrap_or_else(|e| panic!("post (prepared: {prepared}): {e}"))
     }
@@ -279,7 +279,7 @@ fn a_peer_removed_and_added_again_is_prepared_again() {
         &request.block_write(&src, &dst),
         MemorySpace::DRAM,
         MemorySpace::DRAM,
-        b"x",
+        Some(b"x"),
     );
     assert!(refused.unwrap_err().detail.contains("unknown peer"));
     let b_md = pair.b.metadata().expect("metadata");
@@ -347,7 +347,7 @@ fn a_table_nixl_will_not_prepare_goes_the_fresh_way() {
             &request.block_write(&src, &dst),
             MemorySpace::DRAM,
             MemorySpace::DRAM,
-            b"fresh",
+            Some(b"fresh"),
         )
         .expect("posted the fresh way");
     assert_eq!(pair.a.prepared_writes(), 0);

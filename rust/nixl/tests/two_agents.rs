@@ -160,9 +160,21 @@ fn scattered_write(tag: &str, config: AgentConfig) {
     }
     let bytes: usize = layout.iter().map(|r| r.2).sum();
 
+    // The first half as a WRITE nobody is told of (a layer of layer-wise push), the rest with
+    // the notification: B hears of the second alone, and holds the bytes of both.
+    let (silent_runs, runs) = runs.split_at(runs.len() / 2);
+    let silent = a
+        .post_write(&b_name, silent_runs, MemorySpace::DRAM, MemorySpace::DRAM, None)
+        .or_panic("post_write");
+    let mut silent_done = false;
+    pump(&mut a, &mut b, &mut a_notes, &mut b_notes, "the silent WRITE", |a, _, _| {
+        silent_done =
+            silent_done || a.poll_write(silent).or_panic("poll_write") == WriteState::Done;
+        silent_done
+    });
     let done = b"DONE:req-1".to_vec();
     let write = a
-        .post_write(&b_name, &runs, MemorySpace::DRAM, MemorySpace::DRAM, &done)
+        .post_write(&b_name, runs, MemorySpace::DRAM, MemorySpace::DRAM, Some(&done))
         .or_panic("post_write");
     assert_eq!(a.writes_in_flight(), 1);
     let (mut polls, mut in_progress, mut finished) = (0u32, 0u32, false);
@@ -188,14 +200,18 @@ fn scattered_write(tag: &str, config: AgentConfig) {
         runs.len()
     );
     assert_eq!(a.writes_in_flight(), 0);
-    assert_eq!(b_notes, [Notification { from: a_name.clone(), payload: done }]);
+    assert_eq!(
+        b_notes,
+        [Notification { from: a_name.clone(), payload: done }],
+        "the silent WRITE notified nothing"
+    );
     assert!(a_notes.is_empty(), "B sent nothing: {a_notes:?}");
     assert!(b_buf == expected, "B's buffer differs from the expected bytes");
     assert!(a.poll_write(write).is_err(), "a finished write's id is void");
 
     // A write of no runs only notifies, once polled.
     let empty = a
-        .post_write(&b_name, &[], MemorySpace::DRAM, MemorySpace::DRAM, b"no-op")
+        .post_write(&b_name, &[], MemorySpace::DRAM, MemorySpace::DRAM, Some(b"no-op"))
         .or_panic("post_write");
     assert_eq!(a.poll_write(empty).or_panic("poll_write"), WriteState::Done);
     pump(&mut a, &mut b, &mut a_notes, &mut b_notes, "the no-op notification", |_, _, b_n| {
@@ -245,7 +261,7 @@ fn caller_errors_name_what_they_concern() {
             &one(b_buf.as_ptr() as u64),
             MemorySpace::DRAM,
             MemorySpace::DRAM,
-            b"x",
+            Some(b"x"),
         )
         .unwrap_err();
     assert_eq!(err.operation, "post_write");
@@ -262,7 +278,7 @@ fn caller_errors_name_what_they_concern() {
     // Outside B's registered memory: refused before any byte moves.
     let outside = b_buf.as_ptr() as u64 + BUF as u64 + (1 << 20);
     let err = a
-        .post_write(&b_name, &one(outside), MemorySpace::DRAM, MemorySpace::DRAM, b"x")
+        .post_write(&b_name, &one(outside), MemorySpace::DRAM, MemorySpace::DRAM, Some(b"x"))
         .unwrap_err();
     eprintln!("{err}");
     assert!(err.detail.contains("create_xfer_req"), "{err}");

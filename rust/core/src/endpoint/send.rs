@@ -339,9 +339,17 @@ impl Sends {
                     src: self.block_indices.src(),
                     dst: self.block_indices.dst(),
                 };
-                cx.transport.post_block_write(agent, &write, self.memory, remote, &notification)
+                cx.transport.post_block_write(
+                    agent,
+                    &write,
+                    self.memory,
+                    remote,
+                    Some(&notification),
+                )
             }
-            None => cx.transport.post_write(agent, &plan.runs, self.memory, remote, &notification),
+            None => {
+                cx.transport.post_write(agent, &plan.runs, self.memory, remote, Some(&notification))
+            }
         };
         let write = posted.map_err(|e| {
             (FailReason::WriteError, Reason::WriteError, format!("transfer {key}: {e}"))

@@ -446,11 +446,17 @@ impl Transport for SimAgent {
         runs: &[DescriptorRun],
         _local: MemorySpace,
         _remote: MemorySpace,
-        notification: &[u8],
+        notification: Option<&[u8]>,
     ) -> Result<WriteId, TransportError> {
         if self.side != Side::P || !self.peers.contains(peer) {
             return Err(TransportError::new("post_write", format!("unknown peer {peer:?}")));
         }
+        let Some(notification) = notification else {
+            return Err(TransportError::new(
+                "post_write",
+                "a WRITE without a DONE is not simulated",
+            ));
+        };
         lock(&self.lab).post(self.incarnation, &self.name, runs, notification)
     }
 
