@@ -29,16 +29,26 @@ const SECRET: &[u8] = b"endpoint-test-shared-secret";
 const REGIONS: u64 = 4;
 const BLOCKS: u32 = 32;
 
+/// A WRITE an endpoint's transport posted: its bytes, and whether it carried a notification.
+type Posted = (u64, bool);
+
 /// A worker's KV memory: `REGIONS` regions of `BLOCKS` blocks of `block_tokens` tokens.
 struct Cache {
     memory: Vec<u8>,
     block_tokens: u32,
+    /// Every WRITE the endpoints made from this cache posted, in order.
+    posts: Arc<Mutex<Vec<Posted>>>,
 }
 
 impl Cache {
     fn new(block_tokens: u32, fill: impl Fn(usize) -> u8) -> Self {
         let len = (REGIONS * u64::from(BLOCKS) * u64::from(block_tokens) * TOKEN_BYTES) as usize;
-        Self { memory: (0..len).map(fill).collect(), block_tokens }
+        let posts = Arc::default();
+        Self { memory: (0..len).map(fill).collect(), block_tokens, posts }
+    }
+
+    fn posts(&self) -> Vec<Posted> {
+        self.posts.lock().unwrap().clone()
     }
 
     fn region_bytes(&self) -> u64 {
@@ -121,8 +131,17 @@ impl Cache {
     ) -> Endpoint {
         let inner = LoopbackTransport::new(name).unwrap().with_polls_until_done(2);
         let claimed = claimed.map(str::to_owned);
-        let mut transport =
-            Faulty { inner, fault, stuck: Vec::new(), slow: Vec::new(), gate, claimed };
+        let posts = Arc::clone(&self.posts);
+        let mut transport = Faulty {
+            inner,
+            fault,
+            stuck: Vec::new(),
+            slow: Vec::new(),
+            gate,
+            claimed,
+            posts,
+            failing: Vec::new(),
+        };
         let region = MemoryRegion {
             addr: self.memory.as_ptr() as u64,
             len: self.memory.len() as u64,
@@ -150,6 +169,8 @@ enum Fault {
     /// Every WRITE stays in progress for this long after its post (a slow link, a paused
     /// host), then completes.
     SlowWrites(Duration),
+    /// Every WRITE that notifies nobody (a layer of a stream) fails when polled.
+    FailingSilentWrites,
 }
 
 /// The loopback transport with a fault injected.
@@ -163,6 +184,10 @@ struct Faulty {
     gate: Option<Gate>,
     /// The agent name the transport gives instead of its own (its metadata stays its own).
     claimed: Option<String>,
+    /// Where every WRITE posted is logged (see `Cache::posts`).
+    posts: Arc<Mutex<Vec<Posted>>>,
+    /// `FailingSilentWrites`: the writes that fail.
+    failing: Vec<WriteId>,
 }
 
 /// A transport call held until the test opens it.
@@ -236,14 +261,22 @@ impl Transport for Faulty {
     ) -> Result<WriteId, TransportError> {
         assert!(self.fault != Fault::PanicOnPost, "injected: the writer thread panics");
         let write = self.inner.post_write(peer, runs, local, remote, notification)?;
+        let bytes = runs.iter().map(|run| run.len).sum();
+        self.posts.lock().unwrap().push((bytes, notification.is_some()));
         match self.fault {
             Fault::StuckWrites => self.stuck.push(write),
             Fault::SlowWrites(delay) => self.slow.push((write, Instant::now() + delay)),
-            Fault::None | Fault::PanicOnPost => {}
+            Fault::FailingSilentWrites if notification.is_none() => self.failing.push(write),
+            Fault::None | Fault::PanicOnPost | Fault::FailingSilentWrites => {}
         }
         Ok(write)
     }
     fn poll_write(&mut self, write: WriteId) -> Result<WriteState, TransportError> {
+        if let Some(i) = self.failing.iter().position(|&w| w == write) {
+            self.failing.swap_remove(i);
+            let _ = self.inner.poll_write(write);
+            return Err(TransportError::new("poll_write", "injected: the WRITE failed"));
+        }
         let slow = self.slow.iter().any(|&(w, at)| w == write && Instant::now() < at);
         if slow || self.stuck.contains(&write) {
             return Ok(WriteState::InProgress);
@@ -1358,4 +1391,112 @@ fn a_d_that_a_full_p_turns_away_gives_up_when_its_receive_expires() {
     assert_eq!(reason_of(&received[0]), Some(Reason::Expired), "{received:?}");
     drop((p, d1, d2));
     assert!(d2_cache.memory.iter().all(|&b| b == 0), "nothing was written");
+}
+
+/// Bytes of `tokens` tokens in `regions` regions.
+fn region_bytes(regions: u64, tokens: u64) -> u64 {
+    regions * tokens * TOKEN_BYTES
+}
+
+#[test]
+fn layers_streamed_before_p_is_ready_land_first_and_the_done_follows_every_byte() {
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-lw-p1");
+    let d = d_cache.endpoint("ep-lw-d1");
+    d.expect(expectation(&p, "req-lw", &[5, 9], 0, 20)).unwrap();
+    wait_for_registration(&p);
+
+    // Layers 0 and 1 (a region each here) are final while P still computes 2 and 3.
+    let kv = ready("req-lw", &[3, 4], 20);
+    p.layers_ready(kv.clone(), 0..1).unwrap();
+    p.layers_ready(kv.clone(), 1..2).unwrap();
+    // Out of order: left to the request's WRITE.
+    p.layers_ready(kv.clone(), 3..4).unwrap();
+    let streamed = |posts: &[Posted]| posts.iter().filter(|(_, notified)| !notified).count();
+    assert!(eventually(|| streamed(&p_cache.posts()) == 2), "{:?}", p_cache.posts());
+    assert_eq!(p.pending(), 1, "the registration stays in P's table");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(d.poll().is_empty(), "D heard of nothing before P's KV was ready");
+
+    p.ready(kv).unwrap();
+    let received = events(&d, 1);
+    let sent = events(&p, 1);
+    assert!(matches!(&received[..], [Event { outcome: Outcome::Done, .. }]), "{received:?}");
+    assert!(matches!(&sent[..], [Event { outcome: Outcome::Done, .. }]), "{sent:?}");
+    let layer = region_bytes(1, 20);
+    assert_eq!(p_cache.posts(), [(layer, false), (layer, false), (2 * layer, true)]);
+    assert_eq!(sent[0].bytes, REGIONS * layer, "P's send counts every byte");
+    assert_eq!(received[0].bytes, REGIONS * layer, "and so does the DONE D got");
+    drop((p, d));
+    assert_only_written(&d_cache, &p_cache, &[(&[5, 9], &[3, 4])], 20);
+}
+
+#[test]
+fn layers_with_no_registration_or_other_kv_leave_the_whole_write_to_ready() {
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-lw-p2");
+    let d = d_cache.endpoint("ep-lw-d2");
+    // Before D registered: nothing to stream into.
+    p.layers_ready(ready("req-early", &[3, 4], 20), 0..2).unwrap();
+    d.expect(expectation(&p, "req-early", &[5, 9], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    // The KV of a first chunk (fewer tokens than D asks for) is not streamed either.
+    p.layers_ready(ready("req-early", &[3], 16), 0..2).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(p_cache.posts(), [], "nothing streamed");
+    p.ready(ready("req-early", &[3, 4], 20)).unwrap();
+    assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Done, .. }]));
+    assert_eq!(p_cache.posts(), [(region_bytes(REGIONS, 20), true)]);
+    drop((p, d));
+    assert_only_written(&d_cache, &p_cache, &[(&[5, 9], &[3, 4])], 20);
+}
+
+#[test]
+fn a_cancel_during_a_stream_waits_for_the_layer_s_write() {
+    let p_cache = Cache::new(16, |_| 9);
+    let d_cache = Cache::new(16, |_| 0);
+    let fast = |c: &mut EndpointConfig| {
+        c.write_timeout = Duration::from_millis(300);
+        c.peer_timeout = Duration::from_millis(500);
+        c.heartbeat_interval = Duration::from_millis(100);
+    };
+    let p = p_cache.endpoint_with("ep-lw-p3", Fault::StuckWrites, fast);
+    let d = d_cache.endpoint_with("ep-lw-d3", Fault::None, fast);
+    let mut e = expectation(&p, "req-lw-stuck", &[1, 2], 0, 20);
+    e.ttl = Duration::from_millis(500);
+    d.expect(e).unwrap();
+    wait_for_registration(&p);
+    p.layers_ready(ready("req-lw-stuck", &[3, 4], 20), 0..1).unwrap();
+    // D's TTL passes and it cancels; P must not acknowledge while the layer's WRITE may still
+    // land, so D's receive ends quarantined, its blocks held, never failed.
+    let received = events(&d, 1);
+    assert!(
+        matches!(&received[..], [Event { outcome: Outcome::Quarantined(reason), .. }] if reason.contains("stay held")),
+        "{received:?}"
+    );
+    assert_eq!(p.pending(), 1, "the stream still holds the registration in P's table");
+    assert!(p.ready(ready("req-lw-stuck", &[3, 4], 20)).is_err(), "the transfer was cancelled");
+}
+
+#[test]
+fn a_layer_s_write_that_fails_fails_the_transfer_once_and_p_s_kv_is_refused() {
+    let p_cache = Cache::new(16, |_| 9);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint_with("ep-lw-p4", Fault::FailingSilentWrites, |_| {});
+    let d = d_cache.endpoint("ep-lw-d4");
+    d.expect(expectation(&p, "req-lw-fail", &[1, 2], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    p.layers_ready(ready("req-lw-fail", &[3, 4], 20), 0..1).unwrap();
+    let received = events(&d, 1);
+    assert!(
+        matches!(&received[..], [Event { outcome: Outcome::Failed(reason), .. }] if reason.contains("layer's WRITE failed")),
+        "{received:?}"
+    );
+    assert_eq!(reason_of(&received[0]), Some(Reason::WriteError));
+    assert!(p.ready(ready("req-lw-fail", &[3, 4], 20)).is_err(), "P's KV is refused");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(d.poll().is_empty(), "one failure, no second event");
+    assert_eq!(p_cache.posts(), [(region_bytes(1, 20), false)], "no WRITE after the failure");
 }

@@ -422,6 +422,13 @@ impl Sim {
             assert_eq!(answer, Err(RendezvousError::DuplicateReady { key }));
             return;
         }
+        if life.cancelled {
+            // A cancel deferred by a stream: P's KV is refused at once.
+            let reason = FenceReason::Cancelled;
+            assert_eq!(answer, Err(RendezvousError::Fenced { key, reason }));
+            self.took("ready refused after a cancel during a stream");
+            return;
+        }
         life.ready = Some(deadline);
         life.ready_due = deadline;
         if life.streaming.is_some() {
@@ -637,6 +644,7 @@ fn random_lifecycles_each_end_exactly_once_and_leave_nothing_behind() {
         "ready during a stream",
         "cancel during a stream",
         "re-registered during a stream",
+        "ready refused after a cancel during a stream",
     ] {
         assert!(sim.paths.get(path).is_some_and(|&n| n > 0), "{path} never taken: {:?}", sim.paths);
     }

@@ -1,6 +1,7 @@
 //! What the writer thread is asked to do ([`Command`]), by the engine's calls, the side
 //! channel's readers and D's connector, through its inbox.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,6 +18,8 @@ use super::Expectation;
 pub(crate) enum Command {
     /// P: both halves met: write.
     Write(Match<Registration, Arc<Ready>>),
+    /// P, layer-wise push: the KV of these regions is final; stream them where D registered.
+    Layers { key: TransferKey, ready: Arc<Ready>, regions: Range<usize> },
     /// P: tell D its transfer will not happen.
     Fail { peer: PeerId, fail: Fail },
     /// P: D's cancel was applied; acknowledge it and report P's released KV, if any.

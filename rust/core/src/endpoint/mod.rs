@@ -66,6 +66,7 @@ mod tests;
 mod writer;
 
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver};
@@ -752,6 +753,27 @@ impl Endpoint {
             if !self.shared.send(Command::Write(m)) {
                 return Err(EndpointError::Closed);
             }
+        }
+        Ok(())
+    }
+
+    /// P, layer-wise push: the KV of the regions `regions` (layout order: a layer's K and V, or
+    /// its latent) is final for all of `ready.num_tokens`, while the request's other layers are
+    /// still being computed. Where D registered already, the writer writes those regions into
+    /// D's blocks now, notifying nobody, and the request's WRITE at [`ready`](Self::ready) then
+    /// carries only the regions left, with the DONE. Where D did not register yet, nothing
+    /// happens: `ready` writes every region.
+    ///
+    /// Regions go in order from the first; a range that does not continue the ones streamed is
+    /// left to `ready`'s WRITE. `ready.ttl` is not used. An error means nothing was streamed;
+    /// the request's `ready` is unaffected. Never waits for the transfer.
+    pub fn layers_ready(&self, ready: ReadyKv, regions: Range<usize>) -> Result<(), EndpointError> {
+        self.shared.health().map_err(EndpointError::Unhealthy)?;
+        self.shared.admit()?;
+        let key = TransferKey::for_request(ready.transfer_id.as_deref(), &ready.request_id);
+        let ready = Arc::new(halves::Ready { kv: ready, at: self.shared.now() });
+        if !self.shared.send(Command::Layers { key, ready, regions }) {
+            return Err(EndpointError::Closed);
         }
         Ok(())
     }

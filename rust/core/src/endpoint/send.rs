@@ -26,6 +26,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::clock::BootInstant;
+use std::ops::Range;
+
 use crate::key::TransferKey;
 use crate::planner::{BlockIndices, BlockList, PlanRequest};
 use crate::protocol::{Cancel, CancelAck, Done, Encoder, FailReason, Hello, Message, Secret};
@@ -40,6 +42,10 @@ use super::events::{Event, Outcome, Reason, Role, Timeline};
 use super::fanout;
 use super::halves::{Ready, Registration};
 use super::{Counters, EndpointConfig, Shared, HORIZON_MARGIN};
+
+mod layers;
+
+use layers::{Partial, Stream, Streamed};
 
 /// How long a closing writer lets in-flight writes finish before abandoning them.
 pub(super) const DRAIN_ON_CLOSE: Duration = Duration::from_secs(2);
@@ -89,6 +95,11 @@ pub(super) struct Sends {
     notifications: Encoder,
     /// The block form of the WRITE being posted, reused from one request to the next.
     block_indices: BlockIndices,
+    /// Layer-wise push: what was streamed into each registration before P's whole KV was
+    /// ready (see `layers`), until the request's last WRITE.
+    streams: HashMap<TransferKey, Stream>,
+    /// Layer-wise push: posted WRITEs of some regions, which notify nobody.
+    partials: Vec<Partial>,
 }
 
 impl std::fmt::Debug for Sends {
@@ -113,12 +124,14 @@ impl Sends {
             ack_waiters: HashMap::new(),
             notifications: Encoder::new(agent.to_owned(), secret),
             block_indices: BlockIndices::default(),
+            streams: HashMap::new(),
+            partials: Vec::new(),
         }
     }
 
     /// Whether a WRITE is in flight (the writer then polls busily).
     pub(super) fn writing(&self) -> bool {
-        !self.in_flight.is_empty()
+        !self.in_flight.is_empty() || !self.partials.is_empty()
     }
 
     /// One more use of the peer's transport agent, loading it on first use. An agent already
@@ -187,7 +200,18 @@ impl Sends {
             }
             return;
         }
-        match self.post(cx, &key, &registration, &ready) {
+        let posted = match self.streamed(&key, epoch, &ready) {
+            Ok(streamed) => {
+                let regions = streamed.from..usize::MAX;
+                let posted = self.post(cx, &key, &registration, &ready, regions, Some(streamed));
+                posted.map(|(write, bytes, runs, agent)| {
+                    let runs = runs.saturating_add(streamed.runs);
+                    (write, bytes.saturating_add(streamed.bytes), runs, agent)
+                })
+            }
+            Err(refusal) => Err(refusal),
+        };
+        match posted {
             Ok((write, bytes, runs, agent)) => self.in_flight.push(InFlight {
                 write,
                 key,
@@ -212,14 +236,8 @@ impl Sends {
                 let rematch = match finished {
                     Ok(finished) => {
                         let owed = finished.cancel_acknowledged.then_some(registration.peer);
-                        self.acknowledge_cancels(
-                            cx,
-                            &key,
-                            epoch,
-                            &registration,
-                            owed,
-                            (false, false),
-                        );
+                        let request_id = &registration.register.request_id;
+                        self.acknowledge_cancels(cx, &key, epoch, request_id, owed, (false, false));
                         finished.rematch
                     }
                     Err(_) => None,
@@ -235,14 +253,19 @@ impl Sends {
         }
     }
 
-    /// Plans and posts one write; the error says why not, for D (the FAIL's reason) and for P's
-    /// event (its reason code and detail).
+    /// Plans and posts a WRITE of the regions `regions` (its end clamped to the layouts'). With
+    /// `done`, the WRITE carries the request's DONE, whose bytes and runs count those streamed
+    /// before it (see `layers`); with `None` it notifies nobody (one layer of a stream). The
+    /// error says why not, for D (the FAIL's reason) and for P's event (its reason code and
+    /// detail).
     fn post<T: Transport>(
         &mut self,
         cx: &mut Context<T>,
         key: &TransferKey,
         registration: &Registration,
         ready: &Ready,
+        regions: Range<usize>,
+        done: Option<Streamed>,
     ) -> Result<Posted, Refusal> {
         if let Some(reason) = cx.shared.dead.get() {
             let detail = format!("transfer {key}: {reason}");
@@ -288,27 +311,30 @@ impl Sends {
             src: &src,
             dst: &dst,
         };
+        let regions = regions.start..regions.end.min(planner.region_count());
         let plan = planner
-            .plan(&request)
+            .plan_regions(&request, regions.clone())
             .map_err(|e| (FailReason::Refused, Reason::Refused, e.to_string()))?;
         // Whole blocks of layouts that match block for block also go as block indices, which a
         // transport with prepared descriptor lists posts without building descriptors. Worked
         // out here, before the lease check, to keep the check close to the post.
-        let blocks = planner
-            .block_tables()
-            .filter(|_| planner.block_indices_into(&request, &mut self.block_indices));
-        let runs = u32::try_from(plan.runs.len()).unwrap_or(u32::MAX);
-        let done = Message::Done(Done {
-            transfer_key: key.as_str().to_owned(),
-            request_id: register.request_id.clone(),
-            epoch: register.epoch,
-            tp_rank: cx.layout.tp_rank,
-            tp_size: cx.layout.tp_size,
-            bytes: plan.stats.bytes,
-            runs,
-            nonce: register.nonce,
+        let blocks = planner.block_tables().filter(|_| {
+            planner.block_indices_of_regions_into(&request, regions, &mut self.block_indices)
         });
-        let notification = self.notifications.encode(&done, cx.shared.unix_millis());
+        let runs = u32::try_from(plan.runs.len()).unwrap_or(u32::MAX);
+        let notification = done.map(|earlier| {
+            let done = Message::Done(Done {
+                transfer_key: key.as_str().to_owned(),
+                request_id: register.request_id.clone(),
+                epoch: register.epoch,
+                tp_rank: cx.layout.tp_rank,
+                tp_size: cx.layout.tp_size,
+                bytes: plan.stats.bytes.saturating_add(earlier.bytes),
+                runs: runs.saturating_add(earlier.runs),
+                nonce: register.nonce,
+            });
+            self.notifications.encode(&done, cx.shared.unix_millis())
+        });
         let remote = peer.memory;
         // The lease, checked last, right before the post: D may have given these blocks up
         // once its proof of life is older than the lease (it then waits out our horizon).
@@ -339,16 +365,12 @@ impl Sends {
                     src: self.block_indices.src(),
                     dst: self.block_indices.dst(),
                 };
-                cx.transport.post_block_write(
-                    agent,
-                    &write,
-                    self.memory,
-                    remote,
-                    Some(&notification),
-                )
+                let notification = notification.as_deref();
+                cx.transport.post_block_write(agent, &write, self.memory, remote, notification)
             }
             None => {
-                cx.transport.post_write(agent, &plan.runs, self.memory, remote, Some(&notification))
+                let notification = notification.as_deref();
+                cx.transport.post_write(agent, &plan.runs, self.memory, remote, notification)
             }
         };
         let write = posted.map_err(|e| {
@@ -424,6 +446,7 @@ impl Sends {
             let w = self.in_flight.swap_remove(i);
             self.finish(cx, w, result);
         }
+        self.poll_partials(cx);
     }
 
     fn finish<T: Transport>(
@@ -453,14 +476,8 @@ impl Sends {
         let rematch = match finished {
             Ok(finished) => {
                 let owed = finished.cancel_acknowledged.then_some(w.registration.peer);
-                self.acknowledge_cancels(
-                    cx,
-                    &w.key,
-                    w.epoch,
-                    &w.registration,
-                    owed,
-                    (true, delivered),
-                );
+                let request_id = &w.registration.register.request_id;
+                self.acknowledge_cancels(cx, &w.key, w.epoch, request_id, owed, (true, delivered));
                 finished.rematch
             }
             Err(_) => None,
@@ -487,6 +504,7 @@ impl Sends {
         for w in std::mem::take(&mut self.in_flight) {
             self.cut(cx, w, reason, at);
         }
+        self.cut_partials();
         for expired in cx.shared.table.drain(at) {
             if let Some((_, registration)) = expired.registration {
                 let fail = registration.fail(FailReason::ShuttingDown, reason.to_owned());
@@ -527,6 +545,7 @@ impl Sends {
         for w in std::mem::take(&mut self.in_flight) {
             self.cut(cx, w, "the endpoint closed during the write", at);
         }
+        self.cut_partials();
     }
 
     /// The transport is done with (`key`, `epoch`)'s WRITE (it `wrote`, or never posted it; it
@@ -538,7 +557,7 @@ impl Sends {
         cx: &mut Context<T>,
         key: &TransferKey,
         epoch: u64,
-        registration: &Registration,
+        request_id: &str,
         owed: Option<PeerId>,
         (wrote, delivered): (bool, bool),
     ) {
@@ -549,7 +568,7 @@ impl Sends {
         for peer in asked {
             let ack = CancelAck {
                 transfer_key: key.as_str().to_owned(),
-                request_id: registration.register.request_id.clone(),
+                request_id: request_id.to_owned(),
                 epoch,
                 wrote,
                 delivered,
@@ -567,7 +586,8 @@ impl Sends {
         cancel: Cancel,
     ) {
         let key = TransferKey::from_canonical(&cancel.transfer_key);
-        let writing = self.in_flight.iter().any(|w| w.key == key && w.epoch == cancel.epoch);
+        let writing = self.in_flight.iter().any(|w| w.key == key && w.epoch == cancel.epoch)
+            || self.streaming(&key, cancel.epoch);
         if writing {
             self.ack_waiters.entry((key, cancel.epoch)).or_default().push(peer);
         } else {
@@ -714,6 +734,7 @@ pub(super) fn refuse_match<T: Transport>(
 /// Ends the table's halves whose TTL passed: D hears that P's KV was not ready in time, P's
 /// engine that no registration came.
 pub(super) fn expire_sends<T: Transport>(cx: &mut Context<T>, now: Instant) {
+    // (The writer then forgets the streams of transfers that ended: `Sends::prune_streams`.)
     for expired in cx.shared.table.expire(now) {
         if let Some((_, registration)) = expired.registration {
             let fail = registration.fail(

@@ -210,6 +210,9 @@ impl<T: Transport> Writer<T> {
     fn handle(&mut self, command: Command) -> bool {
         match command {
             Command::Write(m) => self.sends.write(&mut self.cx, m),
+            Command::Layers { key, ready, regions } => {
+                self.sends.stream_layers(&mut self.cx, key, &ready, regions);
+            }
             Command::Fail { peer, fail } => self.cx.send(peer, Message::Fail(fail)),
             Command::AcknowledgeCancel { peer, cancel, released } => {
                 send::acknowledge_cancel(&mut self.cx, peer, cancel, released);
@@ -282,6 +285,7 @@ impl<T: Transport> Writer<T> {
     fn check_deadlines(&mut self) {
         let now = self.cx.shared.now();
         send::expire_sends(&mut self.cx, now);
+        self.sends.prune_streams(&self.cx);
         self.receives.check_receives(&mut self.cx, now);
     }
 
@@ -340,6 +344,8 @@ impl<T: Transport> Writer<T> {
                     "the endpoint closed before registering it",
                 ),
                 Command::Write(m) => send::refuse_match(&mut self.cx, m, "the endpoint closed"),
+                // Nothing streamed: the request's WRITE is refused as it comes.
+                Command::Layers { .. } => {}
                 Command::Fail { peer, fail } => self.cx.send(peer, Message::Fail(fail)),
                 Command::AcknowledgeCancel { peer, cancel, released } => {
                     send::acknowledge_cancel(&mut self.cx, peer, cancel, released);

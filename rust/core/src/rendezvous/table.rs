@@ -203,6 +203,11 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 };
                 (state, Ok(Arrival::Matched(matched)))
             }
+            // D cancelled the transfer during the stream: nothing more will be written.
+            state @ State::Streaming { after: AfterWrite::Cancelled, ready: None, .. } => {
+                let reason = FenceReason::Cancelled;
+                (state, Err(RendezvousError::Fenced { key: key.clone(), reason }))
+            }
             // The stream's WRITEs must finish before the whole KV's: held for `end_stream`.
             State::Streaming {
                 epoch,

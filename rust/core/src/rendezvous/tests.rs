@@ -745,6 +745,15 @@ fn a_cancel_during_a_stream_is_acknowledged_when_it_ends() {
     started(table.begin_stream(&key("a"), c.at(0)));
     waiting(table.ready(key("a"), vec![4], c.at(100), c.at(1)));
     assert_eq!(table.cancel(&key("a"), Some(1), c.at(2)), Cancelled::Deferred);
+    waiting(table.register(key("b"), 1, "d", c.at(100), c.at(0)));
+    started(table.begin_stream(&key("b"), c.at(0)));
+    assert_eq!(table.cancel(&key("b"), None, c.at(2)), Cancelled::Deferred);
+    assert_eq!(
+        table.ready(key("b"), vec![4], c.at(100), c.at(3)),
+        Err(RendezvousError::Fenced { key: key("b"), reason: FenceReason::Cancelled }),
+        "P's KV is refused at once, not held until the stream ends"
+    );
+    assert!(table.end_stream(&key("b"), 1, "d", c.at(4)).unwrap().cancel_acknowledged);
     assert_eq!(table.len(), 1, "held until the stream's WRITEs are done");
     assert_eq!(
         table.register(key("a"), 2, "d2", c.at(100), c.at(3)),
@@ -758,7 +767,7 @@ fn a_cancel_during_a_stream_is_acknowledged_when_it_ends() {
             next: AfterStream::Cancelled { registration: "d", ready: Some(vec![4]) },
         }
     );
-    assert_eq!((table.len(), table.fences()), (0, 1));
+    assert_eq!((table.len(), table.fences()), (0, 2), "both keys fenced");
     assert_eq!(table.begin_stream(&key("a"), c.at(5)), StreamStart::Fenced(FenceReason::Cancelled));
     assert_drains(&table, &c);
 }

@@ -1,0 +1,349 @@
+//! P's layer-wise push: the layers of a request's KV that are final go into D's blocks while P
+//! still computes the others, so that the request's last WRITE carries only what remains.
+//!
+//! `Endpoint::layers_ready` hands the writer a range of regions (a layer's K and V, or its
+//! latent, in layout order) whose KV is final for the whole prompt. Where D's registration
+//! waits in the table, the writer takes it (`begin_stream`: from then on the table holds the
+//! key as it holds a write in flight, never expired, a cancel deferred, a re-registration
+//! waiting) and posts a WRITE of those regions that notifies nobody. When none of the stream's
+//! WRITEs is in flight, the registration goes back (`end_stream`); the table then hands out the
+//! match with P's whole KV if it became ready meanwhile, or ends the key if D cancelled, and
+//! every cancel deferred meanwhile is acknowledged.
+//!
+//! Regions are streamed in order, from the first: a range that does not continue what was
+//! streamed (a layer reported twice or out of order) is left to the last WRITE. The request's
+//! WRITE (`Sends::write`) then starts at the first region not streamed, provided it writes into
+//! the registration streamed into (same epoch) from the same KV (same blocks, same tokens; the KV
+//! of one chunk of a longer prompt is not), and its DONE counts the streamed bytes: D hears one
+//! DONE, after every byte. Otherwise it writes every region.
+//!
+//! A streamed WRITE that fails, or cannot be posted (D's lease lapsed, its connection is gone),
+//! fails the transfer once the stream's other WRITEs are done: D hears a FAIL, and P's KV is
+//! refused when it comes (or its send fails, when it came already). A stream's WRITEs get the
+//! same lease check as any other; one past `write_timeout` is held, as any WRITE is, until the
+//! transport finished with it.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::key::TransferKey;
+use crate::protocol::{FailReason, Message};
+use crate::rendezvous::{AfterStream, Cancelled, FenceReason, StreamStart};
+use crate::side_channel::PeerId;
+use crate::sync::lock;
+use crate::transport::{Transport, WriteId, WriteState};
+
+use super::super::context::Context;
+use super::super::events::{Outcome, Reason};
+use super::super::halves::{Ready, Registration};
+use super::{release_slot, report_send, Refusal, Sends};
+
+/// What was streamed into one registration of a transfer.
+#[derive(Debug)]
+pub(in crate::endpoint) struct Stream {
+    epoch: u64,
+    /// D's registration, held while a WRITE of the stream is in flight (the table holds it the
+    /// rest of the time).
+    registration: Option<Registration>,
+    /// The registration's connection and request, for the replies once it is back in the table.
+    peer: PeerId,
+    request_id: String,
+    /// The KV streamed from.
+    kv: Arc<Ready>,
+    /// Regions `0..streamed` are written or being written.
+    streamed: usize,
+    in_flight: usize,
+    /// What the stream's finished WRITEs moved.
+    bytes: u64,
+    runs: u32,
+    /// Some WRITE was posted into D's blocks.
+    wrote: bool,
+    /// Why the transfer fails: a WRITE of the stream failed or was refused.
+    failed: Option<Refusal>,
+}
+
+impl Stream {
+    fn new(epoch: u64, registration: &Registration, kv: &Arc<Ready>) -> Self {
+        Self {
+            epoch,
+            registration: None,
+            peer: registration.peer,
+            request_id: registration.register.request_id.clone(),
+            kv: Arc::clone(kv),
+            streamed: 0,
+            in_flight: 0,
+            bytes: 0,
+            runs: 0,
+            wrote: false,
+            failed: None,
+        }
+    }
+
+    /// Whether `kv` is the KV this stream wrote from: the same blocks for the same tokens.
+    fn same_kv(&self, kv: &Ready) -> bool {
+        std::ptr::eq(&*self.kv, kv)
+            || (self.kv.kv.num_tokens == kv.kv.num_tokens && self.kv.kv.groups == kv.kv.groups)
+    }
+}
+
+/// Where the request's WRITE starts, and what its DONE counts besides its own runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(in crate::endpoint) struct Streamed {
+    /// The first region the request's WRITE writes.
+    pub(super) from: usize,
+    /// Bytes the stream wrote.
+    pub(super) bytes: u64,
+    /// Runs the stream wrote.
+    pub(super) runs: u32,
+}
+
+/// A posted WRITE of a stream.
+#[derive(Debug)]
+pub(in crate::endpoint) struct Partial {
+    write: WriteId,
+    key: TransferKey,
+    /// The transport agent written to (the write holds one use of it).
+    agent: String,
+    bytes: u64,
+    runs: u32,
+}
+
+impl Sends {
+    /// P's KV of the regions `regions` is final for the transfer `key` (see the module docs);
+    /// every slot of a transfer written into several D ranks is streamed.
+    pub(in crate::endpoint) fn stream_layers<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        key: TransferKey,
+        kv: &Arc<Ready>,
+        regions: Range<usize>,
+    ) {
+        let slots = lock(&cx.shared.fanouts).get(&key).map(|group| group.slots);
+        match slots {
+            Some(slots) => {
+                for slot in 0..slots {
+                    self.stream(cx, key.slot(slot), kv, regions.clone());
+                }
+            }
+            None => self.stream(cx, key, kv, regions),
+        }
+    }
+
+    fn stream<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        key: TransferKey,
+        kv: &Arc<Ready>,
+        regions: Range<usize>,
+    ) {
+        if regions.is_empty() {
+            return;
+        }
+        let streaming = self.streams.get(&key).is_some_and(|s| s.registration.is_some());
+        if !streaming {
+            let now = cx.shared.now();
+            let StreamStart::Started { epoch, registration } =
+                cx.shared.table.begin_stream(&key, now)
+            else {
+                // No registration waits (the request's WRITE will write every region), or
+                // the transfer ended.
+                return;
+            };
+            let stream = match self.streams.remove(&key) {
+                Some(s) if s.epoch == epoch && s.same_kv(kv) => s,
+                _ => Stream::new(epoch, &registration, kv),
+            };
+            let stream = self.streams.entry(key.clone()).or_insert(stream);
+            stream.registration = Some(registration);
+        }
+        if let Some(stream) = self.streams.get_mut(&key) {
+            let fits = stream
+                .registration
+                .as_ref()
+                .is_some_and(|registration| registration.register.num_tokens <= kv.kv.num_tokens);
+            let continues = regions.start == stream.streamed && stream.same_kv(kv);
+            let registration =
+                (fits && continues && stream.failed.is_none()).then(|| stream.registration.take());
+            if let Some(Some(registration)) = registration {
+                self.post_layers(cx, &key, registration, kv, regions);
+            }
+        }
+        self.end_stream_if_idle(cx, &key);
+    }
+
+    /// Posts the WRITE of `regions` into the stream's `registration`, and puts it back.
+    fn post_layers<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        key: &TransferKey,
+        registration: Registration,
+        kv: &Arc<Ready>,
+        regions: Range<usize>,
+    ) {
+        let end = regions.end;
+        let posted = self.post(cx, key, &registration, kv, regions, None);
+        let Some(stream) = self.streams.get_mut(key) else { return };
+        stream.registration = Some(registration);
+        match posted {
+            Ok((write, bytes, runs, agent)) => {
+                stream.streamed = end;
+                stream.in_flight += 1;
+                stream.wrote = true;
+                self.partials.push(Partial { write, key: key.clone(), agent, bytes, runs });
+            }
+            Err(refusal) => stream.failed = Some(refusal),
+        }
+    }
+
+    /// Polls the streams' WRITEs; a stream with none left in flight ends.
+    pub(super) fn poll_partials<T: Transport>(&mut self, cx: &mut Context<T>) {
+        let mut i = 0;
+        while i < self.partials.len() {
+            let result = match cx.transport.poll_write(self.partials[i].write) {
+                Ok(WriteState::InProgress) => {
+                    i += 1;
+                    continue;
+                }
+                Ok(WriteState::Done) => Ok(()),
+                Err(e) => Err(e),
+            };
+            let partial = self.partials.swap_remove(i);
+            self.release_agent(cx, &partial.agent);
+            if let Some(stream) = self.streams.get_mut(&partial.key) {
+                stream.in_flight = stream.in_flight.saturating_sub(1);
+                match result {
+                    Ok(()) => {
+                        stream.bytes = stream.bytes.saturating_add(partial.bytes);
+                        stream.runs = stream.runs.saturating_add(partial.runs);
+                    }
+                    Err(e) => {
+                        let detail =
+                            format!("transfer {}: a layer's WRITE failed: {e}", partial.key);
+                        let refusal = (FailReason::WriteError, Reason::WriteError, detail);
+                        stream.failed.get_or_insert(refusal);
+                    }
+                }
+            }
+            self.end_stream_if_idle(cx, &partial.key);
+        }
+    }
+
+    /// Gives a stream's registration back to the table once none of its WRITEs is in flight,
+    /// and acts on what the key holds then (see the module docs).
+    fn end_stream_if_idle<T: Transport>(&mut self, cx: &mut Context<T>, key: &TransferKey) {
+        let Some(stream) = self.streams.get_mut(key) else { return };
+        if stream.in_flight > 0 {
+            return;
+        }
+        let Some(registration) = stream.registration.take() else { return };
+        let (epoch, peer, wrote) = (stream.epoch, stream.peer, stream.wrote);
+        let request_id = stream.request_id.clone();
+        let now = cx.shared.now();
+        let Ok(ended) = cx.shared.table.end_stream(key, epoch, registration, now) else {
+            // Unreachable: only `end_stream` ends a stream.
+            self.streams.remove(key);
+            return;
+        };
+        let owed = ended.cancel_acknowledged.then_some(peer);
+        // Not delivered: the request's DONE was not sent.
+        self.acknowledge_cancels(cx, key, epoch, &request_id, owed, (wrote, false));
+        match ended.next {
+            AfterStream::Cancelled { registration, ready } => {
+                self.streams.remove(key);
+                drop(registration);
+                match ready {
+                    Some(ready) => {
+                        let detail = format!("D cancelled transfer {key}");
+                        let outcome = Outcome::cancelled(Reason::Cancelled, detail);
+                        report_send(cx, &ready, key.as_str(), outcome, None);
+                    }
+                    None => release_slot(&cx.shared, key, FenceReason::Cancelled, now),
+                }
+            }
+            AfterStream::Waiting { superseded } => {
+                let failed = self.streams.get_mut(key).and_then(|s| s.failed.take());
+                if superseded.is_some() {
+                    // A newer registration, whose blocks hold nothing of the stream.
+                    self.streams.remove(key);
+                } else if let Some(refusal) = failed {
+                    self.fail_stream(cx, key, refusal);
+                }
+            }
+            AfterStream::Matched { matched, superseded } => {
+                if superseded.is_some() {
+                    self.streams.remove(key);
+                }
+                // The request's WRITE takes what was streamed from `streams`, or its failure.
+                self.write(cx, matched);
+            }
+        }
+    }
+
+    /// A stream failed before P's KV was ready: the transfer ends, D hears why, and P's KV is
+    /// refused when it comes.
+    fn fail_stream<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        key: &TransferKey,
+        (reason, _, detail): Refusal,
+    ) {
+        self.streams.remove(key);
+        let now = cx.shared.now();
+        if let Cancelled::Removed { registration: Some(registration), ready } =
+            cx.shared.table.cancel(key, None, now)
+        {
+            cx.send(registration.peer, Message::Fail(registration.fail(reason, detail.clone())));
+            match ready {
+                Some(ready) => {
+                    let outcome = Outcome::failed(Reason::WriteError, detail);
+                    report_send(cx, &ready, key.as_str(), outcome, None);
+                }
+                None => release_slot(&cx.shared, key, FenceReason::Cancelled, now),
+            }
+        }
+        // Anything else: D cancelled, or the key ended, meanwhile; D heard of it already.
+    }
+
+    /// What the request's WRITE into (`key`, `epoch`) of `ready` skips, having been streamed;
+    /// or why it must not be posted (a WRITE of the stream failed).
+    pub(super) fn streamed(
+        &mut self,
+        key: &TransferKey,
+        epoch: u64,
+        ready: &Ready,
+    ) -> Result<Streamed, Refusal> {
+        let current = self.streams.get(key).is_some_and(|s| s.registration.is_none());
+        let Some(stream) = current.then(|| self.streams.remove(key)).flatten() else {
+            return Ok(Streamed::default());
+        };
+        if stream.epoch != epoch {
+            return Ok(Streamed::default());
+        }
+        if let Some(refusal) = stream.failed {
+            return Err(refusal);
+        }
+        if !stream.same_kv(ready) {
+            return Ok(Streamed::default());
+        }
+        Ok(Streamed { from: stream.streamed, bytes: stream.bytes, runs: stream.runs })
+    }
+
+    /// Whether a WRITE of a stream into (`key`, `epoch`) is in flight.
+    pub(super) fn streaming(&self, key: &TransferKey, epoch: u64) -> bool {
+        self.streams.get(key).is_some_and(|s| s.registration.is_some() && s.epoch == epoch)
+    }
+
+    /// Forgets the streams of transfers that ended without their request's WRITE (D cancelled
+    /// or expired between two streams): their records would otherwise stay.
+    pub(in crate::endpoint) fn prune_streams<T: Transport>(&mut self, cx: &Context<T>) {
+        let table = &cx.shared.table;
+        self.streams.retain(|key, s| s.registration.is_some() || table.is_live(key));
+    }
+
+    /// The writer stops: the streams' WRITEs are abandoned (D is not told, as for any WRITE the
+    /// transport will not finish) and their records dropped.
+    pub(super) fn cut_partials(&mut self) {
+        self.partials.clear();
+        self.streams.clear();
+    }
+}
