@@ -279,8 +279,9 @@ def test_each_layer_region_carries_its_group() -> None:
     groups = CacheGroups.from_vllm(groups_config(SlidingWindowSpec(32), AttentionSpec(32)))
     shared, own = (Tensor(a) for a in cpu_caches(2, 8, 32, seed=None))
     # vLLM's hybrid manager gives layer 0 (window) and layer 1 (full) one tensor.
-    views, group_of = views_by_group({"layers.0": shared, "layers.1": shared}, groups)
+    views, group_of, layers = views_by_group({"layers.0": shared, "layers.1": shared}, groups)
     assert group_of == [0, 1]
+    assert layers == {"layers.0": 0, "layers.1": 1}
     model = Model(HEADS, HEAD, 32, groups=groups)
     cache = layout_from_caches(views, model, group_of)
     assert [(r.base, r.group) for r in cache.layout.regions] == [
@@ -288,22 +289,37 @@ def test_each_layer_region_carries_its_group() -> None:
         (shared.data_ptr(), 1),
     ]
     assert cache.windowed
+    assert cache.layer_regions == ((0, 1), (1, 2)), "each layer's regions, for layer-wise push"
     # Aliases within one group count once; layers of no moved group are left out.
     one_group = CacheGroups.from_vllm(groups_config(AttentionSpec(32)))
     one_group = replace(one_group, layers={"layers.0": 0, "alias": 0})
-    views, group_of = views_by_group({"layers.0": shared, "x": own, "alias": shared}, one_group)
+    views, group_of, layers = views_by_group(
+        {"layers.0": shared, "x": own, "alias": shared}, one_group
+    )
     assert [v.data_ptr for v in views] == [shared.data_ptr()]
     assert group_of == [0]
+    assert layers == {"layers.0": 0, "alias": 0}
 
 
 def worker(
-    engine: str, caches: list[np.ndarray], block_size: int, port: int, idle_wait: float = 0.0
+    engine: str,
+    caches: list[np.ndarray],
+    block_size: int,
+    port: int,
+    idle_wait: float = 0.0,
+    layerwise: str = "off",
 ) -> PushWorker:
-    return worker_from_views(engine, [view(c) for c in caches], block_size, port, idle_wait)
+    views = [view(c) for c in caches]
+    return worker_from_views(engine, views, block_size, port, idle_wait, layerwise)
 
 
 def worker_from_views(
-    engine: str, views: list[TensorView], block_size: int, port: int, idle_wait: float = 0.0
+    engine: str,
+    views: list[TensorView],
+    block_size: int,
+    port: int,
+    idle_wait: float = 0.0,
+    layerwise: str = "off",
 ) -> PushWorker:
     config = WorkerConfig(
         engine_id=engine,
@@ -316,9 +332,10 @@ def worker_from_views(
         transport="loopback",
         model_fingerprint="tiny",
         idle_wait=idle_wait,
+        layerwise=layerwise,
     )
     w = PushWorker(config, Model(HEADS, HEAD, block_size))
-    w.register(views)
+    w.register(views, layers={f"layers.{i}": i for i in range(len(views))})
     return w
 
 
@@ -342,6 +359,86 @@ def test_two_workers_move_a_request_through_scheduler_metadata() -> None:
     finally:
         p.close()
         d.close()
+
+
+P_PARAMS = {"do_remote_decode": True, "transfer_id": "xfer-lw"}
+
+
+def test_layers_stream_as_the_forward_runs_them_and_the_last_write_carries_the_rest() -> None:
+    p_caches, d_caches = cpu_caches(3, 16, 32, seed=5), cpu_caches(3, 16, 32, seed=None)
+    p = worker("prefill-lw", p_caches, 32, 0, layerwise="on")
+    d = worker("decode-lw", d_caches, 32, 0)
+    p_blocks, d_blocks = [3, 8, 1, 12], [6, 3, 9, 0]
+
+    def landed(layer: int) -> bool:
+        return all(
+            np.array_equal(p_caches[layer][pb], d_caches[layer][db])
+            for pb, db in zip(p_blocks, d_blocks, strict=True)
+        )
+
+    try:
+        p_sched, d_sched = PushScheduler(layerwise="on"), PushScheduler()
+        p_port = int(p.endpoint.address.rsplit(":", 1)[1])
+        d_sched.allocated("d-req", {**D_PARAMS, "remote_port": p_port, "transfer_id": "xfer-lw"},
+                          [d_blocks], 0, 100, 100)  # fmt: skip
+        d.apply(d_sched.take_metadata())
+        deadline = time.monotonic() + 10.0
+        while p.endpoint.pending == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # vLLM reads P's params when it schedules the request, then its prefill is computed
+        # whole in one step: the step's metadata names it, as its send will.
+        assert p_sched.external_tokens("p-req", P_PARAMS, 100, 0) == (0, False)
+        p_sched.prefill_ends("p-req", [p_blocks], 100, 0, 100)
+        p.apply(p_sched.take_metadata())
+        p.save_layer("layers.0")
+        deadline = time.monotonic() + 10.0
+        while not landed(0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert landed(0), "layer 0 is in D while P's forward is still running"
+        assert not landed(1), "layer 1 has not run"
+        assert not landed(2), "nor has layer 2"
+        assert d.take_finished()[1] == set(), "D heard of nothing yet"
+        p.save_layer("layers.1")
+        p.end_forward()
+        p.save_layer("layers.2")  # after the forward: nothing streams
+        p_sched.finished("p-req", P_PARAMS, True, [p_blocks], 100)
+        p.apply(p_sched.take_metadata())
+        assert wait_finished(p, d) == ({"p-req"}, {"d-req"})
+        assert all(landed(layer) for layer in range(3))
+    finally:
+        p.close()
+        d.close()
+
+
+def test_the_scheduler_streams_a_remote_decode_whose_prompt_ends_in_the_step() -> None:
+    blocks = [[3, 8, 1, 12]]
+    for mode, prompt, computed, scheduled, params, streams in [
+        ("on", 100, 0, 100, P_PARAMS, True),
+        ("on", 100, 32, 68, P_PARAMS, True),  # after a prefix hit
+        ("off", 100, 0, 100, P_PARAMS, False),
+        ("on", 100, 0, 64, P_PARAMS, False),  # a first chunk: the prompt goes whole
+        ("on", 100, 0, 100, None, False),  # not a remote decode
+        ("on", 100, 0, 100, {"do_remote_decode": "yes"}, False),  # refused params
+        ("auto", config.LAYERWISE_AUTO_MIN_TOKENS - 1, 0, 511, P_PARAMS, False),
+        ("auto", config.LAYERWISE_AUTO_MIN_TOKENS, 0, 512, P_PARAMS, True),
+    ]:
+        sched = PushScheduler(layerwise=mode)
+        sched.external_tokens("p-req", params, prompt, computed)
+        sched.prefill_ends("p-req", blocks, prompt, computed, scheduled)
+        got = sched.take_metadata().streams
+        assert bool(got) == streams, (mode, prompt, computed, scheduled, params)
+        if streams:
+            sched.finished("p-req", params, True, blocks, prompt)
+            assert got == [replace(sched.take_metadata().sends[0], decided_at=got[0].decided_at)]
+
+
+def test_a_bad_layerwise_stops_the_start_naming_the_key_and_its_values() -> None:
+    assert config_with({}).layerwise == "off"
+    for mode in ("off", "on", "auto"):
+        assert config_with({"layerwise": mode}).layerwise == mode
+    for value in ("yes", "ON", True, 1, None, ["on"]):
+        with pytest.raises(ConfigError, match=r"layerwise must be one of 'off', 'on', 'auto'"):
+            config_with({"layerwise": value})
 
 
 def wait_finished(p: PushWorker, d: PushWorker) -> tuple[set[str], set[str]]:

@@ -48,7 +48,7 @@ from kvpush.exceptions import (
     UnhealthyError,
 )
 from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches
-from kvpush.vllm._params import Refused, RemotePrefill, parse_params
+from kvpush.vllm._params import Refused, RemoteDecode, RemotePrefill, parse_params
 from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import PushWorker
 from kvpush.vllm.config import WorkerConfig
@@ -61,6 +61,8 @@ HEADS, HEAD = 2, 4
 TOKEN = 7  # every sampled token (not an end-of-sequence token: requests end by length)
 MAX_TOKENS = 2
 STEPS = 16
+#: The model's one attention layer, as vLLM names it to the connector's hooks.
+LAYER = "model.layers.0.self_attn.attn"
 GOOD = {
     "do_remote_prefill": True,
     "do_remote_decode": False,
@@ -82,7 +84,7 @@ KEYS = (*GOOD, "do_remote_decode", "transfer_mode", "remote_block_ids")
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A ``kv_both`` engine with kvpush's connector, over a one-layer model's config (no
-    weights, no tokenizer: the scheduler needs neither)."""
+    weights, no tokenizer: the scheduler needs neither), streaming layers (``layerwise``)."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -126,6 +128,7 @@ def vllm_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
             kv_connector_module_path="kvpush.vllm",
             kv_role="kv_both",
             engine_id="engine-under-test",
+            kv_connector_extra_config={"layerwise": "on"},
         ),
         device_config=DeviceConfig("cpu"),
     )
@@ -146,7 +149,7 @@ def new_scheduler(vllm_config: Any, policy: str) -> Any:
         kv_cache_config=KVCacheConfig(
             num_blocks=BLOCKS,
             kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+            kv_cache_groups=[KVCacheGroupSpec([LAYER], spec)],
         ),
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=BLOCK,
@@ -227,6 +230,13 @@ class EndpointDouble:
         self.calls.append(("ready", request_id, blocks))
         self._start("send", request_id)
 
+    def layers_ready(self, request_id: str, blocks: Any, num_tokens: int, *regions: int,
+                     **options: Any) -> None:  # fmt: skip
+        self.calls.append(("layers_ready", request_id, blocks))
+        error = self._behaviour(request_id).error
+        if error is not None:
+            raise error
+
     def expect(self, request_id: str, source: Any, blocks: Any, num_tokens: int, **kw: Any) -> None:
         self.calls.append(("expect", request_id, source))
         self._start("receive", request_id)
@@ -287,6 +297,8 @@ def push_worker(cache: CacheLayout, endpoint: Any, model: Model | None = None) -
     worker = PushWorker(WORKER_CONFIG, model or Model(HEADS, HEAD, BLOCK))
     worker._cache = cache
     worker._endpoint = endpoint
+    # As a registration with layerwise on leaves it: the layer's regions stream.
+    worker._layer_regions = {LAYER: cache.layer_regions[0]}
     return worker
 
 
@@ -373,6 +385,9 @@ def run_engine(
         }
         connector.bind_connector_metadata(out.kv_connector_metadata)
         connector.start_load_kv(None)
+        # The forward: the layer runs, then the step's saves end.
+        connector.save_kv_layer(LAYER, None, None)
+        connector.wait_for_save()
         results = connector.get_transfer_results(out.finished_req_ids)
         assert results.failed_recving <= results.finished_recving
         run.recv_reports.update(results.finished_recving)
@@ -531,6 +546,11 @@ def test_no_kv_transfer_params_kill_the_engine_or_hurt_another_request(
         assert not isinstance(port, bool)
         assert isinstance(port, int) or (math.isfinite(port) and port == int(port))
         assert sources == [f"{raw['remote_host']}:{int(port)}"]
+    # Layers stream only for the requests P sends to D.
+    for call, request_id, _ in endpoint.calls:
+        if call == "layers_ready":
+            sent = parse_params(raw_params.get(request_id, GOOD)).remote_decode
+            assert isinstance(sent, RemoteDecode), request_id
     # Each refusal is logged once, naming the request (a remote prefill's, and P's when its
     # own fields are wrong too).
     for request_id in ids:
@@ -779,6 +799,29 @@ def test_no_assert_guards_an_engine_path() -> None:
         assert not [line for line in lines if line.strip().startswith("assert ")], module
 
 
+def test_a_prompt_computed_in_one_step_streams_its_layers_as_its_send_will_name_them(
+    engine: Engine,
+) -> None:
+    """Layer-wise push through vLLM's real scheduler: a prompt computed in one step streams
+    its layer in that step's forward, with the blocks and tokens its send names afterwards; a
+    prompt chunked over several steps (longer than max_num_batched_tokens) goes whole."""
+    endpoint = EndpointDouble()
+    scheduler = new_scheduler(engine.vllm_config, "fail")
+    connector = worker_connector(engine.vllm_config, push_worker(engine.cache, endpoint))
+    requests = [
+        new_request("short", 40, {"do_remote_decode": True}),
+        new_request("chunked", 1500, {"do_remote_decode": True}),
+        new_request("local", 40, None),
+    ]
+    run = run_engine(scheduler, connector, requests)
+    assert run.send_reports == Counter({"short": 1, "chunked": 1})
+    calls = [(call, request_id) for call, request_id, _ in endpoint.calls]
+    expected = [("layers_ready", "short"), ("ready", "short"), ("ready", "chunked"), ("close", "")]
+    assert calls == expected, calls
+    streamed, sent = (blocks for _, request_id, blocks in endpoint.calls if request_id == "short")
+    assert streamed == sent, "the stream names the KV the send does"
+
+
 def test_a_secret_in_the_kv_transfer_config_stops_the_engine_at_startup(
     vllm_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -792,6 +835,17 @@ def test_a_secret_in_the_kv_transfer_config_stops_the_engine_at_startup(
     with pytest.raises(ConfigError, match="KVPUSH_SECRET_FILE") as refused:
         new_scheduler(vllm_config, "fail")
     assert secret not in str(refused.value)
+
+
+@pytest.mark.parametrize("value", ["yes", "ON", True, None])
+def test_a_bad_layerwise_stops_the_engine_at_startup_naming_the_key(
+    vllm_config: Any, monkeypatch: pytest.MonkeyPatch, value: Any
+) -> None:
+    monkeypatch.setattr(
+        vllm_config.kv_transfer_config, "kv_connector_extra_config", {"layerwise": value}
+    )
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.layerwise must be one of"):
+        new_scheduler(vllm_config, "fail")
 
 
 @pytest.mark.parametrize("value", ["soon", -1, 51, None])

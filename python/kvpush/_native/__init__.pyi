@@ -382,6 +382,18 @@ class Endpoint:
         first_tokens: Sequence[int] | None = None,
         ttl: float = 30.0,
     ) -> None: ...
+    def layers_ready(
+        self,
+        request_id: str,
+        blocks: _Blocks,
+        num_tokens: int,
+        start: int,
+        end: int,
+        *,
+        transfer_id: str | None = None,
+        first_tokens: Sequence[int] | None = None,
+    ) -> None:
+        """Layer-wise push: regions ``start..end`` are final; written now where D registered."""
     def abort(self, request_id: str, transfer_id: str | None = None) -> AbortOutcome:
         """Raises :class:`BusyError` when the writer is far behind: nothing was done."""
     def expect(

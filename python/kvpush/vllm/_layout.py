@@ -308,22 +308,27 @@ class CacheGroups:
 
 def views_by_group(
     kv_caches: Mapping[str, object], groups: CacheGroups | None
-) -> tuple[list[TensorView], list[int]]:
+) -> tuple[list[TensorView], list[int], dict[str, int]]:
     """The tensors vLLM registers with the connector (layer name to tensor, in layer order) as
-    :func:`layout_from_caches` takes them: distinct ``(tensor, group)`` pairs and their groups.
+    :func:`layout_from_caches` takes them: distinct ``(tensor, group)`` pairs and their groups;
+    and each moved layer's index among them (layer-wise push streams a layer's regions).
 
     Layers of one group that share a cache (aliases) count once, but the hybrid manager's layers
     of different groups that share a tensor each address it with their own group's blocks, so
     each is a region. Layers of groups that take no part in transfer are left out.
     """
     seen: dict[tuple[int, int], TensorView] = {}
+    index: dict[tuple[int, int], int] = {}
+    layers: dict[str, int] = {}
     for name, tensor in kv_caches.items():
         group = 0 if groups is None else groups.layers.get(name)
         if group is None:
             continue
         view = TensorView.of(tensor)
-        seen.setdefault((view.data_ptr, group), view)
-    return list(seen.values()), [group for _, group in seen]
+        key = (view.data_ptr, group)
+        seen.setdefault(key, view)
+        layers[name] = index.setdefault(key, len(index))
+    return list(seen.values()), [group for _, group in seen], layers
 
 
 def window_start(blocks: Sequence[int], block_size: int) -> tuple[int, tuple[int, ...]]:
@@ -388,6 +393,8 @@ class CacheLayout:
     #: A group drops the blocks before a window: P lists its blocks from the first block its
     #: window keeps, which starts at D's first listed token only with equal block sizes.
     windowed: bool = False
+    #: Per view (layer), in order: the range ``(start, end)`` of its regions in ``layout``.
+    layer_regions: tuple[tuple[int, int], ...] = ()
 
     def tokens_to_write(self, num_tokens: int) -> int:
         """Tokens to ask the planner for: whole blocks when blocks are opaque. The slots past
@@ -468,7 +475,9 @@ def _from_kv_cache_layout(
     for v in views:
         _check_dense(v, name, inner if heads_in_block else (_N, _C))
     regions: list[kvpush.Region] = []
+    layer_regions: list[tuple[int, int]] = []
     for v, group in zip(views, groups, strict=True):
+        start = len(regions)
         block_stride = v.stride[_B] * e
         if heads_in_block:
             regions.append(kvpush.Region(v.data_ptr, block_stride, v.shape[_B], group))
@@ -477,6 +486,7 @@ def _from_kv_cache_layout(
                 kvpush.Region(v.data_ptr + h * v.stride[_H] * e, block_stride, v.shape[_B], group)
                 for h in range(heads)
             )
+        layer_regions.append((start, len(regions)))
     whole_blocks = opaque_because is not None
     tp_rank, tp_size = (0, 1) if model.use_mla else (model.tp_rank, model.tp_size)
     # CPU attention scrambles tokens inside a head's [N][C] slab but keeps each KV head's slab
@@ -520,6 +530,7 @@ def _from_kv_cache_layout(
         memory=_merged_spans(views),
         slices_heads=slices_heads,
         opaque_because=opaque_because,
+        layer_regions=tuple(layer_regions),
     )
 
 
@@ -588,7 +599,9 @@ def _from_shapes(views: Sequence[TensorView], model: Model, groups: Sequence[int
         raise LayoutError(f"KV cache tensors of different shapes: {sorted(shapes)}")
     (kind,) = shapes
     e = views[0].element_size
+    layer_regions: list[tuple[int, int]] = []
     for v, group in zip(views, groups, strict=True):
+        start = len(regions)
         if kind == "cpu":
             regions.append(kvpush.Region(v.data_ptr, v.stride[0] * e, v.shape[0], group))
         elif kind in ("flash_nhd", "flash_hnd"):
@@ -599,6 +612,7 @@ def _from_shapes(views: Sequence[TensorView], model: Model, groups: Sequence[int
             for half in range(2):
                 base = v.data_ptr + half * v.stride[1] * e
                 regions.append(kvpush.Region(base, v.stride[0] * e, v.shape[0], group))
+        layer_regions.append((start, len(regions)))
     if kind == "cpu":
         # Each head's [block_size][2D] slab is whole and apart, its tokens scrambled: whole
         # blocks, split by head (as the layout-aware reader does).
@@ -621,6 +635,7 @@ def _from_shapes(views: Sequence[TensorView], model: Model, groups: Sequence[int
         memory=_merged_spans(views),
         slices_heads=order == "HND",
         opaque_because="CPU attention packs a block's tokens together" if kind == "cpu" else None,
+        layer_regions=tuple(layer_regions),
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvpush.vllm._layout import CacheGroups, window_start
 from kvpush.vllm._params import Refused, RemoteDecode, TransferParams, parse_params
+from kvpush.vllm.config import LAYERWISE_AUTO_MIN_TOKENS
 from kvpush.vllm.metadata import PushMetadata, RecvRefused, RecvRequest, SendRequest
 
 logger = logging.getLogger("vllm.kvpush")
@@ -40,10 +41,15 @@ class PushScheduler:
     """
 
     def __init__(
-        self, identity: Mapping[str, Any] | None = None, groups: CacheGroups | None = None
+        self,
+        identity: Mapping[str, Any] | None = None,
+        groups: CacheGroups | None = None,
+        layerwise: str = "off",
     ) -> None:
         #: The KV cache groups vLLM hands block lists for (None: one group, all of the cache).
         self._groups = groups
+        #: Layer-wise push (``config.layerwise``): which prefills' layers stream.
+        self._layerwise = layerwise
         #: P's identity, returned with every finished prefill's kv_transfer_params (engine id,
         #: side-channel host and base port, TP and PP sizes): a router that learns P from its
         #: answer (llm-d's push dispatch) forwards them to D, which needs nothing else.
@@ -294,22 +300,7 @@ class PushScheduler:
         if not finished_normally or not any(blocks):
             self._pending.aborts.append((request_id, transfer_id))
             return False, None
-        moved = self._moved(blocks)
-        if self._groups is None:
-            first_tokens: tuple[int, ...] = ()
-        else:
-            # vLLM's null block stands for the blocks a sliding window dropped: never sent (any
-            # group: a null block is never KV), the group's list starts after them.
-            starts = [window_start(group, self._groups.block_size) for group in moved]
-            first_tokens = tuple(start for start, _ in starts)
-            moved = tuple(kept for _, kept in starts)
-        send = SendRequest(
-            request_id=request_id,
-            transfer_id=transfer_id,
-            blocks=moved,
-            num_tokens=prompt_tokens,
-            first_tokens=first_tokens,
-        )
+        send = self._send(request_id, transfer_id, blocks, prompt_tokens)
         answer = {
             **self._identity,
             "do_remote_prefill": True,
@@ -320,6 +311,56 @@ class PushScheduler:
         self._sending.add(request_id)
         self._pending.sends.append(send)
         return True, answer
+
+    def _send(
+        self,
+        request_id: str,
+        transfer_id: str | None,
+        blocks: Sequence[Sequence[int]],
+        prompt_tokens: int,
+    ) -> SendRequest:
+        """P's KV of a prompt in ``blocks`` (vLLM's lists, every group), as sent to D."""
+        moved = self._moved(blocks)
+        if self._groups is None:
+            first_tokens: tuple[int, ...] = ()
+        else:
+            # vLLM's null block stands for the blocks a sliding window dropped: never sent (any
+            # group: a null block is never KV), the group's list starts after them.
+            starts = [window_start(group, self._groups.block_size) for group in moved]
+            first_tokens = tuple(start for start, _ in starts)
+            moved = tuple(kept for _, kept in starts)
+        return SendRequest(
+            request_id=request_id,
+            transfer_id=transfer_id,
+            blocks=moved,
+            num_tokens=prompt_tokens,
+            first_tokens=first_tokens,
+        )
+
+    def prefill_ends(
+        self,
+        request_id: str,
+        blocks: Sequence[Sequence[int]],
+        prompt_tokens: int,
+        num_computed: int,
+        num_scheduled: int,
+    ) -> None:
+        """P, layer-wise push: a request scheduled in this step for the first time, with its
+        blocks. When the step computes the rest of its prompt, its KV goes in this step's
+        ``streams`` (as :meth:`finished` will send it), so that the workers stream each layer as
+        it runs. Only a prompt computed in one step (after its cached prefix) streams: a prompt
+        chunked over several steps goes whole, as with ``layerwise`` off."""
+        mode = self._layerwise
+        if mode == "off" or (mode == "auto" and prompt_tokens < LAYERWISE_AUTO_MIN_TOKENS):
+            return
+        if num_computed + num_scheduled != prompt_tokens or not any(blocks):
+            return
+        read = self._read.get(request_id)
+        asked = None if read is None else read[1].remote_decode
+        if asked is None or isinstance(asked, Refused):
+            return
+        send = self._send(request_id, asked.transfer_id, blocks, prompt_tokens)
+        self._pending.streams.append(send)
 
     def finish_failed(
         self, request_id: str, params: object, error: Exception

@@ -8,8 +8,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import IO
 
 import kvpush
@@ -27,6 +28,17 @@ from kvpush.vllm.config import WorkerConfig, native_thread_cpus, timeline_dir
 from kvpush.vllm.metadata import PushMetadata, RecvRefused, RecvRequest, SendRequest
 
 logger = logging.getLogger("vllm.kvpush")
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """A prefill that ends in this step's forward, as `Endpoint.layers_ready` takes it."""
+
+    request_id: str
+    blocks: list[list[int]]
+    num_tokens: int
+    transfer_id: str | None
+    first_tokens: list[int] | None
 
 
 @contextmanager
@@ -90,6 +102,10 @@ class PushWorker:
         #: Unix time of the endpoint clock's zero, taken once while the worker is quiet: two
         #: clock reads on a busy machine can be tens of ms apart, which would skew timelines.
         self._clock_offset = 0.0
+        #: Layer-wise push: each moved layer's regions (empty: layers do not stream here), and
+        #: the step's streams as `layers_ready` takes them (see `save_layer`).
+        self._layer_regions: dict[str, tuple[int, int]] = {}
+        self._streams: list[_Stream] = []
 
     @property
     def endpoint(self) -> kvpush.Endpoint:
@@ -108,9 +124,15 @@ class PushWorker:
             raise KvPushError("the connector's KV caches are not registered yet")
         return self._cache
 
-    def register(self, views: Sequence[TensorView], groups: Sequence[int] | None = None) -> None:
+    def register(
+        self,
+        views: Sequence[TensorView],
+        groups: Sequence[int] | None = None,
+        layers: Mapping[str, int] | None = None,
+    ) -> None:
         """Starts the endpoint over the KV cache tensors (one per layer, in layer order), each
-        in the KV cache group ``groups`` names (default: one group)."""
+        in the KV cache group ``groups`` names (default: one group); ``layers`` names each
+        view's layers (layer name to view index), for layer-wise push."""
         cache = layout_from_caches(views, self._model, groups)
         layout = cache.layout
         self._cache = cache
@@ -126,6 +148,7 @@ class PushWorker:
                 "cache must live on one GPU (or in host memory)"
             )
         (device,) = devices or {None}
+        self._layer_regions = self._streamed_layers(cache, layers or {}, device)
         if self._model.pp_size > 1:
             # Each P stage holds only its own layers, so a D would have to register with every
             # stage and count one DONE per stage (docs/operations.md, "Pipeline parallelism"):
@@ -176,11 +199,42 @@ class PushWorker:
             "inherited" if cpus is None else ",".join(map(str, sorted(cpus))),
         )
 
+    def _streamed_layers(
+        self, cache: CacheLayout, layers: Mapping[str, int], device: int | None
+    ) -> dict[str, tuple[int, int]]:
+        """Each layer's regions, when this worker streams layers (``layerwise`` on or auto)."""
+        if self._config.layerwise == "off" or not layers:
+            return {}
+        if device is not None:
+            # A CUDA layer's kernels are only queued when vLLM calls save_kv_layer: writing
+            # then could send KV not yet computed. Until the writer waits on a CUDA event per
+            # layer, the KV goes once the request's prefill is over.
+            logger.warning(
+                "kvpush: layerwise=%s is not used on GPU %s yet (it needs a CUDA event per "
+                "layer); each request's KV is written once its prefill is over",
+                self._config.layerwise,
+                device,
+            )
+            return {}
+        return {name: cache.layer_regions[index] for name, index in layers.items()}
+
     def apply(self, metadata: PushMetadata) -> None:
         """Acts on one step's instructions. Never raises: whatever the endpoint answers (a
         refusal, an unhealthy writer, a closed endpoint, an unexpected error), that request
         alone is reported finished (a receive also failed) so vLLM frees or recomputes it."""
         self._idle_step = metadata.idle
+        if self._layer_regions:
+            tokens = self._layout.tokens_to_write
+            self._streams = [
+                _Stream(
+                    s.request_id,
+                    [list(group) for group in s.blocks],
+                    tokens(s.num_tokens),
+                    s.transfer_id,
+                    list(s.first_tokens) or None,
+                )
+                for s in metadata.streams
+            ]
         for send in metadata.sends:
             self._ready(send)
         aborts, self._busy_aborts = [*self._busy_aborts, *metadata.aborts], []
@@ -200,6 +254,40 @@ class PushWorker:
                 len(self._busy_aborts),
                 len(self._busy_cancels),
             )
+
+    def save_layer(self, layer_name: str) -> None:
+        """P, layer-wise push: ``layer_name`` ran in this step's forward, so its KV of the
+        step's streams is final: the endpoint writes it where D registered (and nothing
+        happens where D did not). Never raises, and never waits for the transfer."""
+        if not self._streams:
+            return
+        regions = self._layer_regions.get(layer_name)
+        if regions is None:
+            return
+        start, end = regions
+        for stream in self._streams:
+            try:
+                self.endpoint.layers_ready(
+                    stream.request_id,
+                    stream.blocks,
+                    stream.num_tokens,
+                    start,
+                    end,
+                    transfer_id=stream.transfer_id,
+                    first_tokens=stream.first_tokens,
+                )
+            except Exception as error:
+                # Nothing streamed: the request's WRITE carries this layer.
+                logger.debug(
+                    "kvpush: request %s: layer %s not streamed: %s",
+                    stream.request_id,
+                    layer_name,
+                    error,
+                )
+
+    def end_forward(self) -> None:
+        """The step's forward is over: its streams end."""
+        self._streams = []
 
     def _ready(self, send: SendRequest) -> None:
         """P: the KV of a finished prefill may be written to D."""

@@ -16,8 +16,9 @@ for KV, default 120), ``write_timeout`` / ``peer_timeout`` / ``heartbeat_interva
 16: a P holds one connection per D rank it serves; a D turned away for want of a slot tries
 again while its receives wait), ``idle_wait_ms`` (how long a worker's report in a step that
 computes nothing may wait for a transfer event, ended by the first one: ``"auto"``, the default,
-or milliseconds from 0 to 50; see :func:`idle_wait`), ``transport`` (``nixl``, or ``loopback``
-for in-process tests).
+or milliseconds from 0 to 50; see :func:`idle_wait`), ``layerwise`` (``"off"``, the default,
+``"on"`` or ``"auto"``: P writes each layer's KV as soon as the layer ran, while prefill goes
+on; see :func:`layerwise`), ``transport`` (``nixl``, or ``loopback`` for in-process tests).
 
 Environment only: ``KVPUSH_THREAD_CPUS`` (where the endpoint's native threads run,
 :func:`native_thread_cpus`) and ``KVPUSH_TIMELINE_DIR`` (per-transfer timelines,
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = [
+    "LAYERWISE_AUTO_MIN_TOKENS",
+    "LAYERWISE_MODES",
     "SECRET_ENV",
     "SECRET_FILE_ENV",
     "THREAD_CPUS_ENV",
@@ -47,6 +50,7 @@ __all__ = [
     "WorkerConfig",
     "cpu_list",
     "identity",
+    "layerwise",
     "load_secret",
     "native_thread_cpus",
     "timeline_dir",
@@ -83,6 +87,8 @@ class WorkerConfig:
     #: event, the first event ending it (``idle_wait_ms``; :func:`idle_wait` picks it on
     #: ``"auto"``). A request that arrives meanwhile waits behind it.
     idle_wait: float = 0.0
+    #: Layer-wise push (``layerwise``): ``"off"``, ``"on"`` or ``"auto"``; see :func:`layerwise`.
+    layerwise: str = "off"
 
 
 #: The shared secret itself, or the path of a file that holds it.
@@ -172,6 +178,28 @@ def idle_wait(value: object, several_workers: bool) -> float:
     return milliseconds / 1000.0
 
 
+#: What ``layerwise`` may be.
+LAYERWISE_MODES = ("off", "on", "auto")
+#: ``layerwise: "auto"`` streams a request whose prompt has at least this many tokens: below
+#: it, one WRITE per layer costs more than the overlap saves (SGLang measured layer-pipelined
+#: transfer slower at 256 tokens, faster from 1k on; sglang#23515).
+LAYERWISE_AUTO_MIN_TOKENS = 512
+
+
+def layerwise(value: object) -> str:
+    """``layerwise``: ``"off"`` (P writes a request's KV once its prefill is done), ``"on"``
+    (P writes each layer's KV as soon as the layer ran in the step that ends the prefill, where
+    D registered already; the request's last WRITE then carries the layers left and the DONE)
+    or ``"auto"`` (``"on"`` for prompts of at least :data:`LAYERWISE_AUTO_MIN_TOKENS` tokens).
+    Anything else is refused at startup, naming the key and its values."""
+    if isinstance(value, str) and value in LAYERWISE_MODES:
+        return value
+    raise ConfigError(
+        f"kv_connector_extra_config.layerwise must be one of "
+        f"{', '.join(repr(mode) for mode in LAYERWISE_MODES)}, not {value!r}"
+    )
+
+
 def _several_workers(vllm_config: VllmConfig) -> bool:
     """Whether the engine runs several workers (tensor or pipeline parallel)."""
     parallel = getattr(vllm_config, "parallel_config", None)
@@ -204,6 +232,7 @@ def worker_config(vllm_config: VllmConfig) -> WorkerConfig:
         max_handshakes=int(extra.get("max_handshakes", 16)),
         receive_timeout=float(extra.get("receive_timeout", 120.0)),
         idle_wait=idle_wait(extra.get("idle_wait_ms", "auto"), _several_workers(vllm_config)),
+        layerwise=layerwise(extra.get("layerwise", "off")),
         transport=str(extra.get("transport", "nixl")),
         model_fingerprint=f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}",
     )

@@ -70,8 +70,10 @@ class KvPushMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     def take(self) -> PushMetadata:
         """The instructions, once: a second call (vLLM binds and starts each step) gets none,
-        but still says whether the step is idle, which is the step's, not an instruction."""
-        push, self.push = self.push, PushMetadata(idle=self.push.idle)
+        but still says whether the step is idle and which prefills it ends (the streams), which
+        are the step's, not instructions."""
+        push = self.push
+        self.push = PushMetadata(idle=push.idle, streams=push.streams)
         return push
 
 
@@ -181,7 +183,8 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # groups kvpush cannot move (Mamba/SSM state), never one request at a time.
         if role == KVConnectorRole.SCHEDULER:
             groups = None if kv_cache_config is None else CacheGroups.from_vllm(kv_cache_config)
-            self._scheduler = PushScheduler(identity(vllm_config), groups)
+            layerwise = worker_config(vllm_config).layerwise
+            self._scheduler = PushScheduler(identity(vllm_config), groups, layerwise)
             return
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
@@ -263,7 +266,28 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._scheduler is None:
             return KvPushMetadata(PushMetadata())
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
+        self._prefills_ending(self._scheduler, scheduler_output)
         return KvPushMetadata(self._scheduler.take_metadata(idle))
+
+    @staticmethod
+    def _prefills_ending(sched: PushScheduler, scheduler_output: SchedulerOutput) -> None:
+        """Layer-wise push: the step's new requests, for P's streams (see
+        ``PushScheduler.prefill_ends``). A request that fails here just goes whole."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            try:
+                sched.prefill_ends(
+                    new.req_id,
+                    new.block_ids,
+                    len(new.prompt_token_ids or ()),
+                    new.num_computed_tokens,
+                    scheduled.get(new.req_id, 0),
+                )
+            except Exception:
+                logger.exception(
+                    "kvpush: request %s: its layers will not stream; please report this",
+                    new.req_id,
+                )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is None:
@@ -358,10 +382,15 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        pass  # P's KV is written by the native writer once the request finishes
+        # Layer-wise push: the layer ran (a CPU forward is synchronous), so its KV of the
+        # step's streams is final; the native writer writes it where D registered. Otherwise
+        # P's KV is written once the request finishes.
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        pass
+        if self._worker is not None:
+            self._worker.end_forward()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         sending, recving, _ = self._take_finished()

@@ -4,7 +4,8 @@ import): a :class:`PushMetadata` (vLLM's ``KVConnectorMetadata`` wrapper around 
 
 * P: ``sends``: a finished prefill whose KV may be written to D (the blocks stay allocated
   until the workers report the send finished); ``aborts``: a prefill that ended without KV to
-  send (D is told at once).
+  send (D is told at once); ``streams`` (layer-wise push): a prefill that ends in this step's
+  forward, each of whose layers may be written to D as soon as the layer ran.
 * D: ``recvs``: blocks allocated for a remote prefill, to register with P; ``cancels``: a
   request aborted while waiting for its KV; ``refused``: a remote prefill vLLM waits for that
   cannot be registered (the workers report it failed, so ``kv_load_failure_policy`` applies).
@@ -79,6 +80,8 @@ class PushMetadata:
     """One step's instructions from the scheduler to every worker."""
 
     sends: list[SendRequest] = field(default_factory=list)
+    #: P, layer-wise push: the KV the step's forward finishes, as its ``sends`` will name it.
+    streams: list[SendRequest] = field(default_factory=list)
     aborts: list[tuple[str, str | None]] = field(default_factory=list)
     recvs: list[RecvRequest] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
@@ -88,4 +91,6 @@ class PushMetadata:
     idle: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.sends or self.aborts or self.recvs or self.cancels or self.refused)
+        return bool(
+            self.sends or self.streams or self.aborts or self.recvs or self.cancels or self.refused
+        )

@@ -157,6 +157,35 @@ impl Endpoint {
         native(py, || self.0.ready(ready).map_err(Error::from))
     }
 
+    /// P, layer-wise push: the KV of regions `start..end` (layout order: a layer's K and V, or
+    /// its latent) is final for all `num_tokens` tokens while the request's other layers are
+    /// still computed. Where D registered already, those regions are written now, notifying
+    /// nobody, and `ready`'s WRITE then carries the rest with the DONE; otherwise nothing
+    /// happens. Regions go in order from 0: a range that does not continue the ones streamed
+    /// is left to `ready`. An error means nothing was streamed; `ready` is unaffected.
+    #[pyo3(signature = (request_id, blocks, num_tokens, start, end, *, transfer_id = None, first_tokens = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn layers_ready(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        blocks: Groups,
+        num_tokens: u64,
+        start: usize,
+        end: usize,
+        transfer_id: Option<String>,
+        first_tokens: Option<Vec<u64>>,
+    ) -> PyResult<()> {
+        let ready = ReadyKv {
+            request_id,
+            transfer_id,
+            groups: groups(blocks, first_tokens)?,
+            num_tokens,
+            ttl: std::time::Duration::ZERO,
+        };
+        native(py, || self.0.layers_ready(ready, start..end).map_err(Error::from))
+    }
+
     /// P: the request was aborted. Returns `AbortOutcome.RELEASED` (free the blocks),
     /// `IN_FLIGHT` (wait for its event) or `UNKNOWN`; raises `BusyError` when the writer is far
     /// behind (nothing was done: keep the blocks and abort again later).
