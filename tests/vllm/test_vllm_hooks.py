@@ -188,6 +188,7 @@ class StandInEvent:
     code: kvpush.Reason | None = None
     bytes: int = 0
     runs: int = 0
+    streamed_bytes: int = 0
     timeline: kvpush.Timeline = field(default_factory=kvpush.Timeline)
 
 

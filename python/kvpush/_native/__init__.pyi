@@ -205,6 +205,7 @@ class Timeline:
         cls,
         *,
         registered: float | None = None,
+        streamed: float | None = None,
         ready: float | None = None,
         matched: float | None = None,
         posted: float | None = None,
@@ -212,6 +213,9 @@ class Timeline:
     ) -> Timeline: ...
     @property
     def registered(self) -> float | None: ...
+    @property
+    def streamed(self) -> float | None:
+        """P, layer-wise push: the first layer's WRITE was posted (before ``ready``)."""
     @property
     def ready(self) -> float | None: ...
     @property
@@ -250,6 +254,9 @@ class TransferEvent:
     def bytes(self) -> int: ...
     @property
     def runs(self) -> int: ...
+    @property
+    def streamed_bytes(self) -> int:
+        """P, layer-wise push: of ``bytes``, those written layer by layer before ``ready``."""
     @property
     def timeline(self) -> Timeline: ...
 

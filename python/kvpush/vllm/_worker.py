@@ -442,6 +442,7 @@ class PushWorker:
             "reason": event.reason,
             "bytes": event.bytes,
             "runs": event.runs,
+            "streamed_bytes": event.streamed_bytes,
             "wall": wall,
         }
         self._timeline.write(json.dumps(line) + "\n")

@@ -1427,6 +1427,9 @@ fn layers_streamed_before_p_is_ready_land_first_and_the_done_follows_every_byte(
     let layer = region_bytes(1, 20);
     assert_eq!(p_cache.posts(), [(layer, false), (layer, false), (2 * layer, true)]);
     assert_eq!(sent[0].bytes, REGIONS * layer, "P's send counts every byte");
+    assert_eq!(sent[0].streamed_bytes, 2 * layer, "of which two layers went before P's ready");
+    let (streamed, ready) = (sent[0].timeline.streamed, sent[0].timeline.ready);
+    assert!(streamed.zip(ready).is_some_and(|(s, r)| s < r), "{:?}", sent[0].timeline);
     assert_eq!(received[0].bytes, REGIONS * layer, "and so does the DONE D got");
     drop((p, d));
     assert_only_written(&d_cache, &p_cache, &[(&[5, 9], &[3, 4])], 20);
@@ -1448,6 +1451,8 @@ fn layers_with_no_registration_or_other_kv_leave_the_whole_write_to_ready() {
     assert_eq!(p_cache.posts(), [], "nothing streamed");
     p.ready(ready("req-early", &[3, 4], 20)).unwrap();
     assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Done, .. }]));
+    let sent = events(&p, 1);
+    assert_eq!((sent[0].streamed_bytes, sent[0].timeline.streamed), (0, None));
     assert_eq!(p_cache.posts(), [(region_bytes(REGIONS, 20), true)]);
     drop((p, d));
     assert_only_written(&d_cache, &p_cache, &[(&[5, 9], &[3, 4])], 20);

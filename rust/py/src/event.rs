@@ -242,6 +242,8 @@ impl From<core::AbortOutcome> for AbortOutcome {
 pub(crate) struct Timeline {
     /// P: D's registration arrived. D: the registration was handed to the endpoint.
     registered: Option<f64>,
+    /// P, layer-wise push: the first layer's WRITE was posted, before the KV was reported ready.
+    streamed: Option<f64>,
     /// P: the KV was reported ready.
     ready: Option<f64>,
     /// P: the second half arrived (the match).
@@ -256,6 +258,7 @@ impl From<core::Timeline> for Timeline {
     fn from(t: core::Timeline) -> Self {
         Self {
             registered: t.registered,
+            streamed: t.streamed,
             ready: t.ready,
             matched: t.matched,
             posted: t.posted,
@@ -265,9 +268,10 @@ impl From<core::Timeline> for Timeline {
 }
 
 impl Timeline {
-    fn steps(&self) -> [(&'static str, Option<f64>); 5] {
+    fn steps(&self) -> [(&'static str, Option<f64>); 6] {
         [
             ("registered", self.registered),
+            ("streamed", self.streamed),
             ("ready", self.ready),
             ("matched", self.matched),
             ("posted", self.posted),
@@ -280,15 +284,16 @@ impl Timeline {
 impl Timeline {
     /// A timeline with the steps given (the endpoint makes them; test doubles of events too).
     #[new]
-    #[pyo3(signature = (*, registered = None, ready = None, matched = None, posted = None, completed = None))]
+    #[pyo3(signature = (*, registered = None, streamed = None, ready = None, matched = None, posted = None, completed = None))]
     fn new(
         registered: Option<f64>,
+        streamed: Option<f64>,
         ready: Option<f64>,
         matched: Option<f64>,
         posted: Option<f64>,
         completed: Option<f64>,
     ) -> Self {
-        Self { registered, ready, matched, posted, completed }
+        Self { registered, streamed, ready, matched, posted, completed }
     }
 
     /// `(step, seconds)` for each step taken, in order.
@@ -352,6 +357,9 @@ pub(crate) struct TransferEvent {
     /// Descriptor runs in the WRITE (P).
     #[pyo3(get)]
     runs: u32,
+    /// P, layer-wise push: of `bytes`, those written layer by layer before the KV was ready.
+    #[pyo3(get)]
+    streamed_bytes: u64,
     /// When each step happened.
     #[pyo3(get)]
     timeline: Timeline,
@@ -375,6 +383,7 @@ impl From<Event> for TransferEvent {
             code,
             bytes: event.bytes,
             runs: event.runs,
+            streamed_bytes: event.streamed_bytes,
             timeline: event.timeline.into(),
         }
     }

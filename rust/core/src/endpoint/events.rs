@@ -184,6 +184,9 @@ impl Reason {
 pub struct Timeline {
     /// P: D's registration arrived. D: the registration was handed to the endpoint.
     pub registered: Option<f64>,
+    /// P, layer-wise push: the first WRITE of a layer was posted, before the KV was reported
+    /// ready.
+    pub streamed: Option<f64>,
     /// P: the KV was reported ready.
     pub ready: Option<f64>,
     /// P: the second half arrived (the match).
@@ -209,6 +212,9 @@ pub struct Event {
     pub bytes: u64,
     /// Descriptor runs in the WRITE (P), or announced by the DONEs (D).
     pub runs: u32,
+    /// P, layer-wise push: of `bytes`, those written layer by layer before the request's KV
+    /// was reported ready (see `Endpoint::layers_ready`).
+    pub streamed_bytes: u64,
     /// When each step happened.
     pub timeline: Timeline,
 }

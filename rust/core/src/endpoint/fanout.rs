@@ -48,11 +48,21 @@ pub(crate) struct FanOut {
     outcome: Option<Outcome>,
     bytes: u64,
     runs: u32,
+    /// Of `bytes`, those streamed layer by layer (see `Endpoint::layers_ready`).
+    streamed_bytes: u64,
 }
 
 impl FanOut {
     pub(crate) fn new(slots: u32) -> Self {
-        Self { slots, ready: None, open: slots, outcome: None, bytes: 0, runs: 0 }
+        Self {
+            slots,
+            ready: None,
+            open: slots,
+            outcome: None,
+            bytes: 0,
+            runs: 0,
+            streamed_bytes: 0,
+        }
     }
 
     /// Whether P's KV was placed under the slots.
@@ -79,6 +89,16 @@ impl FanOut {
             self.outcome = Some(outcome);
         }
         self.open == 0
+    }
+
+    /// A slot streamed `bytes` of its bytes layer by layer.
+    pub(crate) fn add_streamed(&mut self, bytes: u64) {
+        self.streamed_bytes = self.streamed_bytes.saturating_add(bytes);
+    }
+
+    /// Bytes streamed layer by layer, over every slot.
+    pub(crate) fn streamed_bytes(&self) -> u64 {
+        self.streamed_bytes
     }
 
     /// The send's outcome, bytes and runs, over every slot.

@@ -205,6 +205,7 @@ impl Receives {
                 outcome: Outcome::failed(Reason::Refused, detail),
                 bytes: 0,
                 runs: 0,
+                streamed_bytes: 0,
                 timeline: Timeline { registered: Some(cx.seconds(at)), ..Timeline::default() },
             });
             return;
@@ -590,6 +591,7 @@ impl Receives {
             outcome,
             bytes: awaited.bytes,
             runs: awaited.runs,
+            streamed_bytes: 0,
             timeline: Timeline {
                 registered: Some(cx.seconds(awaited.registered)),
                 completed: Some(cx.seconds(completed)),
@@ -868,6 +870,7 @@ impl Receives {
             outcome: Outcome::quarantined(detail),
             bytes: awaited.bytes,
             runs: awaited.runs,
+            streamed_bytes: 0,
             timeline: Timeline {
                 registered: Some(cx.seconds(awaited.registered)),
                 ..Timeline::default()
@@ -1003,6 +1006,7 @@ pub(super) fn refuse_expectation<T: Transport>(
         outcome: Outcome::failed(code, detail),
         bytes: 0,
         runs: 0,
+        streamed_bytes: 0,
         timeline: Timeline::default(),
     });
 }

@@ -68,6 +68,8 @@ struct InFlight {
     agent: String,
     /// Past its write timeout, and reported quarantined (see `notice_overdue_writes`).
     overdue: bool,
+    /// What layer-wise push wrote before this WRITE (counted in `bytes` and `runs`).
+    streamed: Streamed,
 }
 
 /// P: a posted WRITE's id, bytes, runs and the agent written to (see `Sends::post`).
@@ -200,19 +202,17 @@ impl Sends {
             }
             return;
         }
-        let posted = match self.streamed(&key, epoch, &ready) {
-            Ok(streamed) => {
-                let regions = streamed.from..usize::MAX;
-                let posted = self.post(cx, &key, &registration, &ready, regions, Some(streamed));
-                posted.map(|(write, bytes, runs, agent)| {
-                    let runs = runs.saturating_add(streamed.runs);
-                    (write, bytes.saturating_add(streamed.bytes), runs, agent)
-                })
-            }
-            Err(refusal) => Err(refusal),
-        };
+        let streamed = self.streamed(&key, epoch, &ready);
+        let posted = streamed.and_then(|streamed| {
+            let regions = streamed.from..usize::MAX;
+            let posted = self.post(cx, &key, &registration, &ready, regions, Some(streamed));
+            posted.map(|(write, bytes, runs, agent)| {
+                let runs = runs.saturating_add(streamed.runs);
+                (write, bytes.saturating_add(streamed.bytes), runs, agent, streamed)
+            })
+        });
         match posted {
-            Ok((write, bytes, runs, agent)) => self.in_flight.push(InFlight {
+            Ok((write, bytes, runs, agent, streamed)) => self.in_flight.push(InFlight {
                 write,
                 key,
                 epoch,
@@ -225,6 +225,7 @@ impl Sends {
                 runs,
                 agent,
                 overdue: false,
+                streamed,
             }),
             Err((reason, why, detail)) => {
                 let outcome = TableOutcome::Failed(detail.clone());
@@ -422,6 +423,7 @@ impl Sends {
                 outcome: Outcome::quarantined(detail),
                 bytes: w.bytes,
                 runs: w.runs,
+                streamed_bytes: 0,
                 timeline: Timeline {
                     ready: Some(cx.seconds(w.ready.at)),
                     posted: Some(cx.seconds(w.posted)),
@@ -651,9 +653,11 @@ fn report_send<T: Transport>(
     write: Option<(&InFlight, Instant)>,
 ) {
     let mut timeline = Timeline { ready: Some(cx.seconds(ready.at)), ..Timeline::default() };
-    let (mut bytes, mut runs) = (0, 0);
+    let (mut bytes, mut runs, mut streamed_bytes) = (0, 0, 0);
     if let Some((w, completed)) = write {
         timeline.registered = Some(cx.seconds(w.registration.at));
+        timeline.streamed = w.streamed.first_posted.map(|at| cx.seconds(at));
+        streamed_bytes = w.streamed.bytes;
         timeline.matched = Some(cx.seconds(w.matched));
         timeline.posted = Some(cx.seconds(w.posted));
         timeline.completed = Some(cx.seconds(completed));
@@ -671,10 +675,12 @@ fn report_send<T: Transport>(
             // was that answer, and the engine has freed the blocks. No second end.
             return;
         };
+        group.add_streamed(streamed_bytes);
         if !group.conclude(outcome, bytes, runs) {
             return;
         }
         (outcome, bytes, runs) = group.result();
+        streamed_bytes = group.streamed_bytes();
         groups.remove(&base);
         key = base;
     }
@@ -685,6 +691,7 @@ fn report_send<T: Transport>(
         outcome,
         bytes,
         runs,
+        streamed_bytes,
         timeline,
     });
 }
@@ -701,6 +708,7 @@ pub(super) fn report_fanout<T: Transport>(cx: &Context<T>, base: TransferKey) {
         outcome,
         bytes,
         runs,
+        streamed_bytes: 0,
         timeline: Timeline { ready: Some(cx.seconds(ready.at)), ..Timeline::default() },
     });
 }

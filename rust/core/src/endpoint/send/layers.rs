@@ -25,6 +25,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Instant;
 
 use crate::key::TransferKey;
 use crate::protocol::{FailReason, Message};
@@ -56,8 +57,8 @@ pub(in crate::endpoint) struct Stream {
     /// What the stream's finished WRITEs moved.
     bytes: u64,
     runs: u32,
-    /// Some WRITE was posted into D's blocks.
-    wrote: bool,
+    /// When the stream's first WRITE was posted; `None` before any.
+    first_posted: Option<Instant>,
     /// Why the transfer fails: a WRITE of the stream failed or was refused.
     failed: Option<Refusal>,
 }
@@ -74,7 +75,7 @@ impl Stream {
             in_flight: 0,
             bytes: 0,
             runs: 0,
-            wrote: false,
+            first_posted: None,
             failed: None,
         }
     }
@@ -95,6 +96,8 @@ pub(in crate::endpoint) struct Streamed {
     pub(super) bytes: u64,
     /// Runs the stream wrote.
     pub(super) runs: u32,
+    /// When the stream's first WRITE was posted.
+    pub(super) first_posted: Option<Instant>,
 }
 
 /// A posted WRITE of a stream.
@@ -188,7 +191,7 @@ impl Sends {
             Ok((write, bytes, runs, agent)) => {
                 stream.streamed = end;
                 stream.in_flight += 1;
-                stream.wrote = true;
+                stream.first_posted.get_or_insert_with(|| cx.shared.now());
                 self.partials.push(Partial { write, key: key.clone(), agent, bytes, runs });
             }
             Err(refusal) => stream.failed = Some(refusal),
@@ -236,7 +239,7 @@ impl Sends {
             return;
         }
         let Some(registration) = stream.registration.take() else { return };
-        let (epoch, peer, wrote) = (stream.epoch, stream.peer, stream.wrote);
+        let (epoch, peer, wrote) = (stream.epoch, stream.peer, stream.first_posted.is_some());
         let request_id = stream.request_id.clone();
         let now = cx.shared.now();
         let Ok(ended) = cx.shared.table.end_stream(key, epoch, registration, now) else {
@@ -325,7 +328,12 @@ impl Sends {
         if !stream.same_kv(ready) {
             return Ok(Streamed::default());
         }
-        Ok(Streamed { from: stream.streamed, bytes: stream.bytes, runs: stream.runs })
+        Ok(Streamed {
+            from: stream.streamed,
+            bytes: stream.bytes,
+            runs: stream.runs,
+            first_posted: stream.first_posted,
+        })
     }
 
     /// Whether a WRITE of a stream into (`key`, `epoch`) is in flight.
