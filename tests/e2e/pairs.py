@@ -56,13 +56,41 @@ LOGPROB_TOLERANCE = 1e-3
 PREFILL_ENGINE_ID = "kvpush-e2e-prefill"
 
 
-def kvpush_config(role: str) -> dict[str, object]:
+def kvpush_config(role: str, **extra: object) -> dict[str, object]:
+    """kvpush's ``--kv-transfer-config`` for ``role``; ``extra``: its connector options."""
     return {
         "kv_connector": "KvPushConnector",
         "kv_connector_module_path": "kvpush.vllm",
         "kv_role": role,
         "kv_buffer_device": "cpu",
+        **({"kv_connector_extra_config": extra} if extra else {}),
     }
+
+
+def timelines_env(logs: Path, server: str) -> dict[str, str]:
+    """Where a server's workers write their transfer timelines (``KVPUSH_TIMELINE_DIR``)."""
+    return {"KVPUSH_TIMELINE_DIR": str(logs / "timelines" / server)}
+
+
+def sends(logs: Path, server: str) -> list[dict[str, Any]]:
+    """The send lines of a P server's timelines (one per request and P worker)."""
+    lines = []
+    for path in sorted((logs / "timelines" / server).glob("*.jsonl")):
+        lines += [json.loads(line) for line in path.read_text().splitlines() if line]
+    return [line for line in lines if line["role"] == "send"]
+
+
+def assert_layers_streamed(logs: Path, server: str, at_least: int) -> None:
+    """Layer-wise push on P: at least ``at_least`` sends wrote layers before P's scheduler
+    saw their prefill end (posted during the forward), and never more than their bytes."""
+    streamed = [line for line in sends(logs, server) if line["streamed_bytes"]]
+    shares = [line["streamed_bytes"] / line["bytes"] for line in streamed]
+    print(f"{server}: {len(streamed)} sends streamed layers, shares {shares}")
+    assert len(streamed) >= at_least, f"{len(streamed)} sends streamed layers"
+    for line in streamed:
+        wall = line["wall"]
+        assert line["streamed_bytes"] <= line["bytes"], line
+        assert wall["streamed"] < wall["scheduled"], f"streamed after the prefill ended: {line}"
 
 
 def kvpush_env(secret: str) -> dict[str, str]:
@@ -131,17 +159,22 @@ def kvpush_servers(
     *,
     names: tuple[str, str] = ("prefill", "decode"),
     blocks: tuple[int, int] = (P_BLOCK, D_BLOCK),
+    layerwise: str = "off",
 ) -> tuple[VllmServer, VllmServer]:
-    """P (engine ``engine_id``, core 0) and D (core 1) with kvpush's connector and one fresh
-    shared secret, D without prefix caching (so every prompt token must come from P)."""
+    """P (engine ``engine_id``, core 0, layer-wise push as ``layerwise`` says, its timelines
+    in ``logs``) and D (core 1) with kvpush's connector and one fresh shared secret, D without
+    prefix caching (so every prompt token must come from P)."""
     secret = secrets.token_hex(16)
     prefill = VllmServer(
         names[0],
         model,
         logs,
         cpu="0",
-        kv_transfer_config={**kvpush_config("kv_producer"), "engine_id": engine_id},
-        extra_env=kvpush_env(secret),
+        kv_transfer_config={
+            **kvpush_config("kv_producer", layerwise=layerwise),
+            "engine_id": engine_id,
+        },
+        extra_env={**kvpush_env(secret), **timelines_env(logs, names[0])},
         extra_args=["--block-size", str(blocks[0])],
     )
     decode = VllmServer(

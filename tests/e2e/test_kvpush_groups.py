@@ -9,7 +9,9 @@ groups (its log: ``kv cache group sizes (128, 128)``).
 * P wrote exactly the blocks the groups hold: every block of the prompt for the full-attention
   layers, and for the sliding-window layers only the blocks from the one holding the window's
   first token on (vLLM frees the others and lists its null block for them; D never allocates
-  them). The bytes P reports are those counts times the layers times a block's bytes.
+  them). The bytes P reports are those counts times the layers times a block's bytes;
+* P streams by layer (``layerwise: "on"``), each layer its own group's blocks: its timelines
+  show layers written before the prefills ended, and the bytes above still hold.
 
 The model's window (200 tokens) is not a multiple of the block size (128), so the first block
 kept is a partial one of the window.
@@ -29,6 +31,7 @@ from kvpush_lab.servers import metric_value
 from tests.e2e.harness import ON_VLLM, VllmServer
 from tests.e2e.pairs import (
     Pair,
+    assert_layers_streamed,
     assert_same,
     behind_proxy,
     greedy_body,
@@ -93,7 +96,9 @@ def reference(tiny_model: Path, prompts: dict[int, list[int]], logs: Path) -> di
 
 @pytest.fixture(scope="module")
 def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
-    prefill, decode = kvpush_servers(tiny_model, logs, PREFILL_ENGINE_ID, blocks=(BLOCK, BLOCK))
+    prefill, decode = kvpush_servers(
+        tiny_model, logs, PREFILL_ENGINE_ID, blocks=(BLOCK, BLOCK), layerwise="on"
+    )
     with behind_proxy(prefill, decode, PREFILL_ENGINE_ID) as pair:
         yield pair
 
@@ -120,6 +125,10 @@ def test_concurrent_requests_match_a_single_server(
         }
         for n, future in futures.items():
             assert_same(n, future.result(), reference[n])
+
+
+def test_p_streamed_layers_while_its_prefills_ran(pair: Pair, logs: Path) -> None:
+    assert_layers_streamed(logs, pair.prefill.name, at_least=1)
 
 
 def test_every_prompt_token_came_from_p_in_exactly_the_groups_blocks(pair: Pair) -> None:

@@ -8,7 +8,9 @@ server (D) behind ``kvpush proxy``.
 * D's metrics show that every prompt token came from P (``source="p2p"``) and none was
   computed on D;
 * P's byte counter shows that it wrote each prompt token's latent of every layer exactly once:
-  CPU_MLA keeps one token per cell, so latents move token by token, not as whole blocks.
+  CPU_MLA keeps one token per cell, so latents move token by token, not as whole blocks;
+* P streams by layer where it pays (``layerwise: "auto"``: prompts of 512 tokens or more), and
+  its timelines show layers written before those prefills ended.
 
 What vLLM's CPU build does with an MLA model, and so what is tested here: the reference
 ``CPU_MLA`` backend (asked for by name: on a host with AMX vLLM would pick ``AMX_MLA``, which
@@ -42,6 +44,7 @@ from tests.e2e.harness import ON_VLLM, VllmServer, completion_logprobs
 from tests.e2e.pairs import (
     Pair,
     assert_concurrent,
+    assert_layers_streamed,
     assert_same,
     behind_proxy,
     greedy_body,
@@ -49,6 +52,7 @@ from tests.e2e.pairs import (
     kvpush_env,
     prompt_token_ids,
     single_answers,
+    timelines_env,
 )
 
 pytestmark = ON_VLLM
@@ -98,10 +102,10 @@ def pair(mla_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pai
         logs,
         cpu="0",
         kv_transfer_config={
-            **kvpush_config("kv_producer"),
+            **kvpush_config("kv_producer", layerwise="auto"),
             "engine_id": PREFILL_ENGINE_ID,
         },
-        extra_env=kvpush_env(secret),
+        extra_env={**kvpush_env(secret), **timelines_env(logs, "prefill")},
         extra_args=MLA_ARGS,
     )
     decode = VllmServer(
@@ -159,6 +163,12 @@ def test_every_prompt_token_came_from_p(pair: Pair) -> None:
     print(f"D: prompt tokens {prompt_tokens:.0f}, from p2p {from_p2p:.0f}")
     assert prompt_tokens == sum(SEQUENTIAL) + sum(CONCURRENT)
     assert from_p2p == prompt_tokens, "D computed part of a prompt instead of receiving it"
+
+
+def test_p_streamed_the_long_prompts_layers_while_their_prefills_ran(
+    pair: Pair, logs: Path
+) -> None:
+    assert_layers_streamed(logs, pair.prefill.name, at_least=1)
 
 
 def test_p_wrote_exactly_the_prompts_latents(pair: Pair, mla_model: Path) -> None:

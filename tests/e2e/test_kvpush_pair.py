@@ -4,6 +4,8 @@ loopback behind ``kvpush proxy``, which sends both legs at once with one transfe
 * D's greedy continuation equals a plain single server's: token ids, and log-probabilities
   within 1e-3 (which catches a wrong block even where the ids do not: see
   ``test_upstream_smoke.py``), sequentially and with concurrent requests;
+* P streams layer by layer (``layerwise: "on"``): its timelines show layers written before its
+  prefills ended, and the answers are still exact;
 * D's metrics show that every prompt token came from P (``source="p2p"``);
 * a client that hangs up mid-way (while D still waits for the KV, or mid-stream) leaves both
   servers healthy: nothing stays running, and the next request is still exact.
@@ -34,6 +36,7 @@ from tests.e2e.pairs import (
     PREFILL_ENGINE_ID,
     Pair,
     assert_concurrent,
+    assert_layers_streamed,
     assert_same,
     assert_sequential,
     behind_proxy,
@@ -64,7 +67,7 @@ def reference(tiny_model: Path, prompts: dict[int, list[int]], logs: Path) -> di
 
 @pytest.fixture(scope="module")
 def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
-    prefill, decode = kvpush_servers(tiny_model, logs, PREFILL_ENGINE_ID)
+    prefill, decode = kvpush_servers(tiny_model, logs, PREFILL_ENGINE_ID, layerwise="on")
     with behind_proxy(prefill, decode, PREFILL_ENGINE_ID) as pair:
         yield pair
 
@@ -79,6 +82,12 @@ def test_concurrent_requests_match_a_single_server(
     pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
 ) -> None:
     assert_concurrent(pair, tiny_model, prompts, reference, CONCURRENT)
+
+
+def test_p_streamed_layers_while_its_prefills_ran(pair: Pair, logs: Path) -> None:
+    """P runs layer-wise push: the prompts computed in one step (all but 2,100 tokens, which
+    vLLM chunks) wrote layers before their prefill ended."""
+    assert_layers_streamed(logs, pair.prefill.name, at_least=len(SEQUENTIAL) - 1)
 
 
 def test_every_prompt_token_came_from_p(pair: Pair) -> None:

@@ -7,7 +7,9 @@ heads) and starts only once both delivered. Checked against a plain single serve
 
 * D's greedy continuation: token ids, and log-probabilities within 1e-3 (a head missing or
   written into the wrong slab changes them far more);
-* every prompt token came from P (``source="p2p"``), and both of P's workers sent their share.
+* every prompt token came from P (``source="p2p"``), and both of P's workers sent their share;
+* P streams by layer (``layerwise: "on"``): both of its workers wrote layers of their heads
+  before the prefills ended.
 
 vLLM's own pull connector hangs on this pair on this machine (its P workers stop in
 ``execute_model``); kvpush's earlier connector refused every such request. The single server
@@ -29,12 +31,14 @@ from kvpush_lab.servers import metric_value
 from tests.e2e.harness import ON_VLLM, VllmServer
 from tests.e2e.pairs import (
     Pair,
+    assert_layers_streamed,
     assert_sequential,
     behind_proxy,
     kvpush_config,
     kvpush_env,
     prompt_token_ids,
     single_answers,
+    timelines_env,
 )
 
 pytestmark = ON_VLLM
@@ -59,8 +63,8 @@ TIMEOUTS = {
 BLOCK = "128"
 
 
-def config(role: str) -> dict[str, object]:
-    return {**kvpush_config(role), "kv_connector_extra_config": TIMEOUTS}
+def config(role: str, **extra: object) -> dict[str, object]:
+    return kvpush_config(role, **TIMEOUTS, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +89,10 @@ def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pa
         logs,
         cpu="0|1",
         kv_transfer_config={
-            **config("kv_producer"),
+            **config("kv_producer", layerwise="on"),
             "engine_id": PREFILL_ENGINE_ID,
         },
-        extra_env=kvpush_env(secret),
+        extra_env={**kvpush_env(secret), **timelines_env(logs, "prefill-tp2")},
         extra_args=["--tensor-parallel-size", "2", "--block-size", BLOCK],
     )
     decode = VllmServer(
@@ -108,6 +112,17 @@ def test_sequential_requests_match_a_single_server(
     pair: Pair, tiny_model: Path, prompts: dict[int, list[int]], reference: dict[int, Any]
 ) -> None:
     assert_sequential(pair, tiny_model, prompts, reference, SEQUENTIAL)
+
+
+def test_both_p_workers_streamed_layers_while_the_prefills_ran(pair: Pair, logs: Path) -> None:
+    """P runs layer-wise push (``layerwise: "on"``): each of its workers streams its half of
+    every layer's heads."""
+    assert_layers_streamed(logs, pair.prefill.name, at_least=2)
+    streaming = {
+        path.name for path in (logs / "timelines" / pair.prefill.name).glob("*.jsonl")
+        if any(json.loads(line)["streamed_bytes"] for line in path.read_text().splitlines())
+    }  # fmt: skip
+    assert len(streaming) == 2, f"only {sorted(streaming)} streamed"
 
 
 def test_every_prompt_token_came_from_both_p_workers(pair: Pair) -> None:

@@ -301,6 +301,21 @@ def test_each_layer_region_carries_its_group() -> None:
     assert layers == {"layers.0": 0, "alias": 0}
 
 
+def test_views_follow_the_forward_passs_layer_order_whatever_order_vllm_hands_them() -> None:
+    groups = CacheGroups.from_vllm(groups_config(SlidingWindowSpec(32), AttentionSpec(32)))
+    groups = replace(
+        groups,
+        layers={"model.layers.0.attn": 0, "model.layers.2.attn": 0, "model.layers.1.attn": 1},
+    )
+    a, b, c = (Tensor(x) for x in cpu_caches(3, 8, 32, seed=None))
+    # Group by group, as vLLM's hybrid manager may list them: layer 0, layer 2, then layer 1.
+    caches = {"model.layers.0.attn": a, "model.layers.2.attn": c, "model.layers.1.attn": b}
+    views, group_of, layers = views_by_group(caches, groups)
+    assert [v.data_ptr for v in views] == [a.data_ptr(), b.data_ptr(), c.data_ptr()]
+    assert group_of == [0, 1, 0]
+    assert layers == {"model.layers.0.attn": 0, "model.layers.1.attn": 1, "model.layers.2.attn": 2}
+
+
 def worker(
     engine: str,
     caches: list[np.ndarray],

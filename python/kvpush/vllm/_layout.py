@@ -49,6 +49,7 @@ needs neither torch nor vLLM and is tested without them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
@@ -315,12 +316,15 @@ def views_by_group(
 
     Layers of one group that share a cache (aliases) count once, but the hybrid manager's layers
     of different groups that share a tensor each address it with their own group's blocks, so
-    each is a region. Layers of groups that take no part in transfer are left out.
+    each is a region. Layers of groups that take no part in transfer are left out. The views go
+    in the order the forward pass runs the layers (by the layer index in their names; vLLM may
+    hand a hybrid model's layers group by group), so that layer-wise push streams regions in
+    layout order; P and D order them the same way.
     """
     seen: dict[tuple[int, int], TensorView] = {}
     index: dict[tuple[int, int], int] = {}
     layers: dict[str, int] = {}
-    for name, tensor in kv_caches.items():
+    for name, tensor in sorted(kv_caches.items(), key=lambda item: _layer_index(item[0])):
         group = 0 if groups is None else groups.layers.get(name)
         if group is None:
             continue
@@ -329,6 +333,13 @@ def views_by_group(
         seen.setdefault(key, view)
         layers[name] = index.setdefault(key, len(index))
     return list(seen.values()), [group for _, group in seen], layers
+
+
+def _layer_index(name: str) -> int:
+    """The layer index in a layer's name (``model.layers.12.self_attn.attn``: 12), as vLLM's
+    ``extract_layer_index`` reads it; -1 when it names none (such layers keep their order)."""
+    digits = re.search(r"\d+", name)
+    return int(digits.group()) if digits else -1
 
 
 def window_start(blocks: Sequence[int], block_size: int) -> tuple[int, tuple[int, ...]]:
