@@ -106,6 +106,20 @@ class Worker:
                 errors.append(f"{error.code}: {error}")
         return errors
 
+    def layers_ready(self, requests: list[Request], start: int, end: int) -> list[str]:
+        """Layer-wise push: regions ``start..end`` of each request's KV are final; returns the
+        errors of refused ones."""
+        errors = []
+        for r in requests:
+            try:
+                self.endpoint.layers_ready(
+                    r.request_id, [list(r.p_blocks)], r.tokens, start, end,
+                    transfer_id=r.transfer_id,
+                )  # fmt: skip
+            except kvpush.exceptions.KvPushError as error:
+                errors.append(f"{error.code}: {error}")
+        return errors
+
     def expect(
         self, source: str, requests: list[Request], ttl: float = 30.0, request_suffix: str = ""
     ) -> None:

@@ -515,6 +515,7 @@ class WritePair:
             self.request = Request("cmpl-big-0", tokens, tuple(p_blocks), tuple(d_blocks),
                                    transfer_id="xfer-big")  # fmt: skip
             self.bytes = 2 * shape.layers * tokens * shape.token_bytes
+            self.regions = shape.regions
             self._warm_up(Request("cmpl-warm-0", WRITE_BLOCK_TOKENS, (0,), (0,),
                                   transfer_id="xfer-warm"))  # fmt: skip
             # What the warm-up landed, as each probe counts it.
@@ -557,23 +558,33 @@ def write_pair(transport: str) -> Iterator[WritePair]:
         pair.close()
 
 
-def stop_mid_write(pair: WritePair, what: str, stop: Callable[[], Fault]) -> Fault:
+def stop_mid_write(
+    pair: WritePair, what: str, stop: Callable[[], Fault], *, streamed: bool = False
+) -> Fault:
     """Posts P's WRITE and ``stop()``s P (``what``: its process or its writer thread) while
     the WRITE is under way; fails, naming what it saw, unless some but not all of it had landed
     in D by then. Over tcp D's own writer (which lands the bytes) is held until P is stopped, so
     that the WRITE cannot finish first; over cma P is stopped as soon as D's cache shows its
-    first bytes."""
+    first bytes. ``streamed``: layer-wise push, the WRITE under way is that of the first half of
+    the layers, and P's KV became ready meanwhile (its WRITE of the rest waits for it)."""
     pair.d.expect(pair.p.address(), [pair.request])
     assert wait_for(lambda: pair.p.pending() == 1, 10.0), "D's registration never reached P"
+
+    def post() -> None:
+        if streamed:
+            half = pair.regions // 2
+            assert pair.p.layers_ready([pair.request], 0, half) == []
+        assert pair.p.ready([pair.request]) == []
+
     if pair.transport == "nixl-tcp":
         with ThreadStall(pair.d.pid, D_WRITER, seconds=5.0):
-            assert pair.p.ready([pair.request]) == []
+            post()
             assert wait_for(lambda: unread_tcp_bytes(pair.d.pid) >= 32 << 10, 5.0), (
                 "P's WRITE never filled D's socket: was it posted?"
             )
             fault = stop()
     else:
-        assert pair.p.ready([pair.request]) == []
+        post()
         assert wait_for(lambda: pair.landed(PROBE_STRIDE) > 0, 10.0, interval=0.0), (
             "P's WRITE landed nothing in 10 s"
         )
@@ -710,6 +721,28 @@ def test_ps_writer_stalled_mid_write_lands_nothing_after_ds_final_failure(
             assert_fenced_through(pair, fault, end_after_d=None)
 
 
+@pytest.mark.parametrize(
+    ("transport", "pause"),
+    [stall_param("nixl", "shorter"), stall_param("nixl-tcp", "longer")],
+)
+def test_p_stopped_mid_stream_lands_nothing_after_ds_final_failure(
+    transport: str, pause: str
+) -> None:
+    """Layer-wise push: P's whole process stopped while the WRITE of its first layers is
+    partly landed (P's KV ready meanwhile), then running again: the same fence and bounds."""
+    nixl_or_skip()
+    with write_pair(transport) as pair:
+        if pause == "shorter":
+            seconds, end_after_d = PROCESS_PAUSES[pause], None
+            what = f"P stopped {seconds:.1f}s mid-stream"
+        else:
+            seconds, end_after_d = write_bounds(pair).d + RESUME_AFTER_D, RESUME_AFTER_D
+            what = f"P stopped mid-stream until {RESUME_AFTER_D:.0f}s after D's first event"
+        stop = lambda: ProcessPause(pair.p.pid, seconds)  # noqa: E731
+        with stop_mid_write(pair, what, stop, streamed=True) as fault:
+            assert_fenced_through(pair, fault, end_after_d)
+
+
 def test_p_stopped_mid_write_for_good_leaves_d_quarantined_not_failed() -> None:
     """P stops with its WRITE partly landed and never runs again: D cannot know the WRITE will
     not go on, so within its bound it reports the receive quarantined (keeping the blocks) and
@@ -841,6 +874,25 @@ def test_p_killed_after_the_match_delivers_all_or_lands_nothing_after_d_fails(
             assert received["outcome"] == "failed", received
             assert "lost P" in received["reason"], received
             assert_fenced(pair, request.request_id)
+
+
+@pytest.mark.parametrize("transport", NIXL_TRANSPORTS)
+def test_p_killed_mid_stream_fails_d_once_and_lands_nothing_after(transport: str) -> None:
+    """Layer-wise push: P dies after some of a request's layers landed in D, before its KV
+    was ready: D's receive fails once, within its bound, and nothing lands after."""
+    with fault_pair(transport) as pair:
+        request = one_request(17, "ps")
+        pair.d.expect(pair.source, [request])
+        wait_until_registered(pair)
+        regions = P_SHAPE.regions
+        assert pair.p.layers_ready([request], 0, regions // 2) == []
+        assert wait_for(lambda: pair.d.landed() > 0, 10.0), "no layer landed in D"
+        pair.p.kill()
+        received = receive_outcome(pair)
+        assert received["outcome"] == "failed", received
+        assert "lost P" in received["reason"], received
+        assert_fenced(pair, request.request_id)
+        assert pair.d.events(1, timeout=0.5) == [], "D reported the receive again"
 
 
 @pytest.mark.parametrize("transport", NIXL_TRANSPORTS)
