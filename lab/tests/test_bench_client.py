@@ -20,6 +20,7 @@ from kvpush_lab.bench import client, client_report
 from kvpush_lab.bench.client_result import (
     FLOOR_ONE,
     FLOOR_TWO,
+    KVPUSH_LAYERWISE,
     ClientConfig,
     ClientResult,
     Point,
@@ -192,6 +193,36 @@ def test_the_stages_come_from_both_sides_timelines_within_the_points_window(tmp_
     assert stages["D admitted → P's prefill done"] == [32.0]
     assert stages["posted → completed"] == [0.5]
     assert stages["D admitted after P's KV ready"] == [-34.0]
+
+
+def test_the_streamed_share_counts_ps_done_sends_within_the_window(tmp_path: Path) -> None:
+    def send(at: float, total: int, streamed: int, outcome: str = "done") -> dict[str, Any]:
+        return {"role": "send", "outcome": outcome, "bytes": total, "streamed_bytes": streamed,
+                "wall": {"scheduled": at}}  # fmt: skip
+
+    records = [
+        send(100.0, 300, 300),
+        send(100.5, 100, 0),
+        send(50.0, 100, 100),  # before the window
+        send(100.2, 100, 100, "failed"),
+        {"role": "receive", "wall": {"scheduled": 100.1}},
+    ]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert client.streamed_shares(tmp_path, (99.0, 101.0)) == (0.75, 0.5)
+    assert client.streamed_shares(tmp_path, (200.0, 201.0)) == (None, None)
+
+
+def test_whole_request_and_layer_wise_push_are_shown_side_by_side() -> None:
+    config = replace(CONFIG, systems=(*CONFIG.systems, KVPUSH_LAYERWISE))
+    runs = [_run(KVPUSH, LIGHT, 100.0, 5.0), _run(KVPUSH_LAYERWISE, LIGHT, 80.0, 5.0)]
+    summaries = client_report.summarize(
+        ClientResult(config, "2026-12-06T00:00:00", "/tmp/x", {1024: 20.0}, runs)
+    )
+    rows = client_report.layerwise_table(summaries, config.points()).rows
+    assert len(rows) == 1, "only the point both ran"
+    assert rows[0][0] == LIGHT.label
+    assert rows[0][1:] == ["100 / 80 (0.80x)", "100 / 80 (0.80x)", "5 / 5 (1.00x)",
+                           "10 / 8 (0.80x)", "10 / 8 (0.80x)"], rows[0]  # fmt: skip
 
 
 def test_quick_mode_is_small_and_options_override_it() -> None:

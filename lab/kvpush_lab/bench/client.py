@@ -147,15 +147,16 @@ def _servers(system: System, model: Path, log_dir: Path, max_model_len: int) -> 
     if system.progress is not None:
         env[PROGRESS_THREAD_ENV] = system.progress
     assert system.connector is not None
+
+    def config(role: str) -> dict[str, Any] | None:
+        config = kv_config(system.connector or "", role)
+        if config is not None and role == "kv_producer" and system.layerwise != "off":
+            config["kv_connector_extra_config"] = {"layerwise": system.layerwise}
+        return config
+
     return [
         VllmServer(
-            name,
-            model,
-            log_dir,
-            cpu=cpu,
-            kv_transfer_config=kv_config(system.connector, role),
-            extra_env=env,
-            **common,
+            name, model, log_dir, cpu=cpu, kv_transfer_config=config(role), extra_env=env, **common
         )
         for name, role, cpu in (("P", "kv_producer", "0"), ("D", "kv_consumer", "1"))
     ]
@@ -378,7 +379,11 @@ def run_point(
         run.p_leg = [p for p, _ in legs]
         run.handover = [d - p for p, d in legs]
     if system.connector == KVPUSH:
-        run.stages = stages(log_dir / "timelines", window, point.prompts + config.warmups)
+        expected = point.prompts + config.warmups
+        run.stages = stages(log_dir / "timelines", window, expected)
+        run.streamed_bytes_share, run.streamed_transfers_share = streamed_shares(
+            log_dir / "timelines", window
+        )
     if code != 0 or not out.exists():
         tail = (log_dir / f"client-{tag}.log").read_text(errors="replace").strip().splitlines()
         run.error = f"client exited with {code}: {tail[-1] if tail else 'no output'}"
@@ -475,6 +480,25 @@ def stages(directory: Path, window: tuple[float, float], expected: int) -> dict[
             if ends[0] is not None and ends[1] is not None:
                 values[name].append(round((ends[1] - ends[0]) * 1e3, 3))
     return values
+
+
+def streamed_shares(
+    directory: Path, window: tuple[float, float]
+) -> tuple[float | None, float | None]:
+    """Of P's sends done within ``window``: the share of their bytes written layer by layer
+    before their KV was ready, and the share of sends that streamed any (None: no send)."""
+    sends = [
+        line
+        for line in read_timelines(directory)
+        if line.get("role") == "send"
+        and line.get("outcome") == "done"
+        and window[0] <= (line.get("wall", {}).get("scheduled") or 0.0) <= window[1]
+    ]
+    total = sum(int(line.get("bytes", 0)) for line in sends)
+    if not sends or not total:
+        return None, None
+    streamed = [int(line.get("streamed_bytes", 0)) for line in sends]
+    return sum(streamed) / total, sum(1 for b in streamed if b) / len(sends)
 
 
 # --- the run -----------------------------------------------------------------------------------

@@ -18,8 +18,10 @@ from kvpush_lab.bench import report
 from kvpush_lab.bench.client_result import (
     FLOOR_ONE,
     FLOOR_TWO,
+    KVPUSH_LAYERWISE,
     OUTPUT_TOKENS,
     STAGES,
+    SYSTEMS,
     TPOT_SLO_MS,
     TTFT_SLO_MS,
     UPSTREAM,
@@ -144,10 +146,21 @@ def points_table(summaries: Sequence[Summary]) -> report.Table:
 
 
 def stages_table(result: ClientResult) -> report.Table:
-    """kvpush's stages per point, pooled over rounds: median and p90 (ms)."""
-    t = report.Table(["point", "transfers", *[f"{name} p50 / p90 (ms)" for name, _, _ in STAGES]])
-    for point in result.config.points():
-        runs = [r for r in result.runs if r.system == KVPUSH and r.point == point and r.stages]
+    """kvpush's stages per point and kvpush system (whole-request or layer-wise push), pooled
+    over rounds: median and p90 (ms); and, layer-wise, the share of the bytes (and of the
+    transfers) written before P's KV was ready."""
+    t = report.Table(
+        [
+            "point",
+            "system",
+            "transfers",
+            *[f"{name} p50 / p90 (ms)" for name, _, _ in STAGES],
+            "bytes streamed before ready (transfers that streamed)",
+        ]
+    )
+    kvpush_systems = [s for s in result.config.systems if SYSTEMS[s].connector == KVPUSH]
+    for point, system in ((p, s) for p in result.config.points() for s in kvpush_systems):
+        runs = [r for r in result.runs if r.system == system and r.point == point and r.stages]
         if not runs:
             continue
         pooled = {name: [v for r in runs for v in r.stages.get(name, [])] for name, _, _ in STAGES}
@@ -155,7 +168,18 @@ def stages_table(result: ClientResult) -> report.Table:
         for name, _, _ in STAGES:
             p50, p90 = report.percentile(pooled[name], 50), report.percentile(pooled[name], 90)
             cells.append("-" if p50 is None or p90 is None else f"{p50:.3g} / {p90:.3g}")
-        t.add(point.label, max(len(v) for v in pooled.values()), *cells)
+        shares = [
+            (r.streamed_bytes_share, r.streamed_transfers_share)
+            for r in runs
+            if r.streamed_bytes_share is not None and r.streamed_transfers_share is not None
+        ]
+        streamed = (
+            f"{sum(b for b, _ in shares) / len(shares):.0%} "
+            f"({sum(n for _, n in shares) / len(shares):.0%})"
+            if shares
+            else "-"
+        )
+        t.add(point.label, system, max(len(v) for v in pooled.values()), *cells, streamed)
     return t
 
 
@@ -225,6 +249,27 @@ def goals_table(summaries: Sequence[Summary], points: Sequence[Point]) -> report
             _against(summaries, point, "tpot", 99),
             _against(summaries, point, "handover", 50),
         )
+    return t
+
+
+def layerwise_table(summaries: Sequence[Summary], points: Sequence[Point]) -> report.Table:
+    """Whole-request push (kvpush as shipped) and layer-wise push, side by side per point:
+    each figure as whole / layer-wise (ms), and layer-wise over whole."""
+    t = report.Table(["point", "TTFT p50", "TTFT p99", "TPOT p99", "handover p50", "handover p99"])
+    for point in points:
+        if _at(summaries, KVPUSH, point) is None or _at(summaries, KVPUSH_LAYERWISE, point) is None:
+            continue
+        cells = []
+        for metric, pct in (("ttft", 50), ("ttft", 99), ("tpot", 99), ("handover", 50),
+                            ("handover", 99)):  # fmt: skip
+            whole = _value(summaries, KVPUSH, point, metric, pct)
+            layers = _value(summaries, KVPUSH_LAYERWISE, point, metric, pct)
+            cells.append(
+                "-"
+                if whole is None or layers is None
+                else f"{_ms(whole)} / {_ms(layers)} ({report.ratio(layers, whole)})"
+            )
+        t.add(point.label, *cells)
     return t
 
 
@@ -417,6 +462,19 @@ def markdown(result: ClientResult, doc: Path, command: str) -> str:
         "",
         goals_table(summaries, points).markdown(),
         "",
+        *(
+            [
+                'Whole-request push against layer-wise push (P with `layerwise: "on"`): '
+                "whole / layer-wise in ms, and layer-wise over whole (below 1: layer-wise is "
+                "lower). The share of the bytes written before P's KV was ready is in the "
+                "stages table below.",
+                "",
+                layerwise_table(summaries, points).markdown(),
+                "",
+            ]
+            if KVPUSH_LAYERWISE in c.systems
+            else []
+        ),
         points_table(summaries).markdown(),
         "",
         "Cores the servers burn while idle, just started (mean over rounds; the spin of NIXL's "

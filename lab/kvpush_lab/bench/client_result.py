@@ -47,6 +47,8 @@ class System:
     #: Upstream tuned: ``KVPUSH_LAB_NIXL_PROGRESS_THREAD`` in its servers
     #: (:mod:`kvpush_lab.upstream_best`: ``off``, or ``poll:<µs>``); None: as shipped.
     progress: str | None = None
+    #: kvpush: P's ``layerwise`` option (``off``: whole-request push, as shipped).
+    layerwise: str = "off"
 
     @property
     def aggregated(self) -> bool:
@@ -57,6 +59,8 @@ class System:
         return "pull" if self.connector == NIXL_PULL else "push"
 
 
+#: kvpush with layer-wise push on P (``layerwise: "on"``).
+KVPUSH_LAYERWISE = f"{KVPUSH}-layerwise"
 #: The ``-poll`` variants' NIXL progress thread poll delay (µs).
 POLL_US = 1000
 
@@ -66,6 +70,7 @@ SYSTEMS = {
         System("aggregated-1core", cpus="0"),
         System("aggregated-2core", cpus="0-1"),
         System(KVPUSH, KVPUSH),
+        System(KVPUSH_LAYERWISE, KVPUSH, layerwise="on"),
         System(NIXL_PULL, NIXL_PULL),
         System(f"{NIXL_PULL}-best", NIXL_PULL, progress="off"),
         System(NIXL_PUSH, NIXL_PUSH),
@@ -179,6 +184,10 @@ class PointRun:
     proxy_cores: float | None = None
     #: kvpush only: each :data:`STAGES` stage of each transfer the point made (ms).
     stages: dict[str, list[float]] = field(default_factory=dict)
+    #: kvpush only: of the bytes P sent, the share written layer by layer before each
+    #: request's KV was ready, and the share of transfers that streamed any.
+    streamed_bytes_share: float | None = None
+    streamed_transfers_share: float | None = None
     error: str | None = None
 
 
