@@ -17,7 +17,10 @@ systems it is pointed at:
 * ``NixlConnector-best``, ``NixlPushConnector-best``: the same with NIXL's progress thread off in
   the servers' processes (:mod:`kvpush_lab.upstream_best`), so it does not spin the engine's one
   core; ``-poll`` (an option): the thread on, polling every millisecond instead of spinning.
-  Each goal is judged against the best upstream figure of whichever of them ran.
+  Each goal is judged against the best upstream figure of whichever of them ran;
+* ``kvpush-layerwise``: kvpush with layer-wise push on P (``layerwise: "on"``), reported side
+  by side with whole-request ``kvpush``, with the share of the KV written before P's prefill
+  was over.
 
 Rates are multiples of P's prefill capacity at each input length, measured first on the one-core
 aggregated server (one prompt at a time, ``max_tokens`` 1). Systems are interleaved over rounds
