@@ -200,6 +200,12 @@ fn no_more_events(endpoint: &Endpoint, quiet: Duration) {
 /// P of `p_tp` ranks writes one request into D of `d_tp` ranks; each D rank expects the P ranks
 /// that hold its heads. Returns the bytes each D rank reported.
 fn transfer(p_tp: u32, d_tp: u32) -> Vec<u64> {
+    transfer_streaming(p_tp, d_tp, false)
+}
+
+/// [`transfer`]; with `layerwise`, each P rank streams its first region (layer-wise push) into
+/// every D rank it feeds once all registered, before its KV is ready.
+fn transfer_streaming(p_tp: u32, d_tp: u32, layerwise: bool) -> Vec<u64> {
     const TOKENS: u64 = 10;
     let p_blocks = [3u32, 7, 1];
     let d_blocks = [9u32, 2, 12];
@@ -215,6 +221,19 @@ fn transfer(p_tp: u32, d_tp: u32) -> Vec<u64> {
     for (rank, endpoint) in d.iter().enumerate() {
         endpoint.expect(expectation_of_rank(&p, rank as u32, d_tp, &d_blocks, TOKENS)).unwrap();
     }
+    if layerwise {
+        // Every D rank's registration with every P rank that feeds it.
+        let registrations = p_tp.max(d_tp) as usize;
+        let registered = || p.iter().map(Endpoint::pending).sum::<usize>() >= registrations;
+        assert!(eventually(registered), "the registrations never reached P");
+        for endpoint in &p {
+            endpoint.layers_ready(ready("p-request", &p_blocks, TOKENS), 0..1).unwrap();
+        }
+        // The KV is ready a forward pass later: after the writer took the layers.
+        let slots = u64::from((d_tp / p_tp).max(1));
+        let streamed = || p.iter().all(|e| e.stats().streamed_writes == slots);
+        assert!(eventually(streamed), "the layers never streamed");
+    }
     for endpoint in &p {
         endpoint.ready(ready("p-request", &p_blocks, TOKENS)).unwrap();
     }
@@ -229,6 +248,10 @@ fn transfer(p_tp: u32, d_tp: u32) -> Vec<u64> {
         let sent = events(endpoint, 1);
         assert_eq!(sent.len(), 1, "{sent:?}");
         assert_eq!(sent[0].outcome, Outcome::Done, "{sent:?}");
+        if layerwise {
+            // One of the two regions went first, into every D rank this P rank feeds.
+            assert_eq!(2 * sent[0].streamed_bytes, sent[0].bytes, "{sent:?}");
+        }
     }
     for endpoint in &d {
         no_more_events(endpoint, Duration::from_millis(100));
@@ -262,6 +285,18 @@ fn p_tp1_writes_each_of_d_tp2s_ranks_its_half() {
 fn p_tp2_writes_into_d_tp4_two_ranks_each() {
     let bytes = transfer(2, 4);
     assert_eq!(bytes, vec![REGIONS * 10 * HEAD_BYTES; 4]);
+}
+
+#[test]
+fn layer_wise_push_streams_each_p_ranks_heads_into_d_tp1() {
+    let bytes = transfer_streaming(2, 1, true);
+    assert_eq!(bytes, vec![REGIONS * 10 * u64::from(MODEL_HEADS) * HEAD_BYTES]);
+}
+
+#[test]
+fn layer_wise_push_streams_into_every_d_rank_a_p_rank_feeds() {
+    let bytes = transfer_streaming(1, 2, true);
+    assert_eq!(bytes, vec![REGIONS * 10 * 2 * HEAD_BYTES; 2]);
 }
 
 /// P tp1 and D tp2, with the KV ready before either D rank registered, and D rank 1 late.

@@ -281,6 +281,7 @@ impl Endpoint {
         out.set_item("lapsed_leases", stats.lapsed_leases)?;
         out.set_item("late_posts", stats.late_posts)?;
         out.set_item("overloaded", stats.overloaded)?;
+        out.set_item("streamed_writes", stats.streamed_writes)?;
         Ok(out)
     }
 

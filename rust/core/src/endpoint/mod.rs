@@ -395,6 +395,8 @@ pub struct Counters {
     /// Work refused, or a peer's message dropped, because the writer's inbox was full (see
     /// [`EndpointConfig::inbox_capacity`]). Any means the writer is behind: alert on the rate.
     pub overloaded: AtomicU64,
+    /// Layer-wise push: WRITEs of layers posted before their request's KV was ready.
+    pub streamed_writes: AtomicU64,
 }
 
 impl Counters {
@@ -427,6 +429,8 @@ pub struct Stats {
     pub late_posts: u64,
     /// See [`Counters::overloaded`].
     pub overloaded: u64,
+    /// See [`Counters::streamed_writes`].
+    pub streamed_writes: u64,
 }
 
 /// State shared by the engine-facing calls, the side channel's handler and the writer.
@@ -937,6 +941,7 @@ impl Endpoint {
             lapsed_leases: c.lapsed_leases.load(Ordering::Relaxed),
             late_posts: c.late_posts.load(Ordering::Relaxed),
             overloaded: c.overloaded.load(Ordering::Relaxed),
+            streamed_writes: c.streamed_writes.load(Ordering::Relaxed),
         }
     }
 

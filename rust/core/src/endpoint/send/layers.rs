@@ -37,6 +37,7 @@ use crate::transport::{Transport, WriteId, WriteState};
 use super::super::context::Context;
 use super::super::events::{Outcome, Reason};
 use super::super::halves::{Ready, Registration};
+use super::super::Counters;
 use super::{release_slot, report_send, Refusal, Sends};
 
 /// What was streamed into one registration of a transfer.
@@ -192,6 +193,7 @@ impl Sends {
                 stream.streamed = end;
                 stream.in_flight += 1;
                 stream.first_posted.get_or_insert_with(|| cx.shared.now());
+                Counters::add(&cx.shared.counters.streamed_writes);
                 self.partials.push(Partial { write, key: key.clone(), agent, bytes, runs });
             }
             Err(refusal) => stream.failed = Some(refusal),
