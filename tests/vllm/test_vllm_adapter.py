@@ -431,7 +431,7 @@ def test_the_scheduler_streams_a_remote_decode_whose_prompt_ends_in_the_step() -
         ("on", 100, 0, 100, P_PARAMS, True),
         ("on", 100, 32, 68, P_PARAMS, True),  # after a prefix hit
         ("off", 100, 0, 100, P_PARAMS, False),
-        ("on", 100, 0, 64, P_PARAMS, False),  # a first chunk: the prompt goes whole
+        ("on", 100, 0, 64, P_PARAMS, False),  # a first chunk: not yet (its last chunk streams)
         ("on", 100, 0, 100, None, False),  # not a remote decode
         ("on", 100, 0, 100, {"do_remote_decode": "yes"}, False),  # refused params
         ("auto", config.LAYERWISE_AUTO_MIN_TOKENS - 1, 0, 511, P_PARAMS, False),
@@ -445,6 +445,34 @@ def test_the_scheduler_streams_a_remote_decode_whose_prompt_ends_in_the_step() -
         if streams:
             sched.finished("p-req", params, True, blocks, prompt)
             assert got == [replace(sched.take_metadata().sends[0], decided_at=got[0].decided_at)]
+
+
+def test_a_chunked_prompt_streams_in_the_step_of_its_last_chunk_with_all_its_blocks() -> None:
+    sched = PushScheduler(layerwise="on")
+    sched.external_tokens("p-req", P_PARAMS, 100, 0)
+    sched.prefill_ends("p-req", [[3, 8]], 100, 0, 40)  # first chunk: 40 of 100 tokens
+    assert sched.take_metadata().streams == []
+    sched.prefill_continues("p-req", ([1],), False, 40, 40)  # second chunk
+    assert sched.take_metadata().streams == []
+    sched.prefill_continues("p-req", None, False, 80, 0)  # not scheduled this step
+    sched.prefill_continues("p-req", ([12],), False, 80, 20)  # the last chunk
+    (streamed,) = sched.take_metadata().streams
+    assert streamed.blocks == ((3, 8, 1, 12),)
+    sched.finished("p-req", P_PARAMS, True, [[3, 8, 1, 12]], 100)
+    (sent,) = sched.take_metadata().sends
+    assert streamed == replace(sent, decided_at=streamed.decided_at), "as the send names it"
+
+    # Preempted between chunks: the resumed request's blocks are all new.
+    sched.external_tokens("p-pre", P_PARAMS, 100, 0)
+    sched.prefill_ends("p-pre", [[3, 8]], 100, 0, 40)
+    sched.prefill_continues("p-pre", ([5, 6, 7, 9],), True, 0, 100)
+    assert sched.take_metadata().streams[0].blocks == ((5, 6, 7, 9),)
+    # A request that finished mid-prefill is forgotten.
+    sched.external_tokens("p-gone", P_PARAMS, 100, 0)
+    sched.prefill_ends("p-gone", [[3, 8]], 100, 0, 40)
+    sched.finished("p-gone", P_PARAMS, False, [[3, 8]], 100)
+    sched.prefill_continues("p-gone", ([1],), False, 40, 60)
+    assert sched.take_metadata().streams == []
 
 
 def test_a_bad_layerwise_stops_the_start_naming_the_key_and_its_values() -> None:

@@ -50,6 +50,9 @@ class PushScheduler:
         self._groups = groups
         #: Layer-wise push (``config.layerwise``): which prefills' layers stream.
         self._layerwise = layerwise
+        #: P, layer-wise push: prompts computed over several steps, with their blocks so far
+        #: (per group) and their length, until the step of their last chunk.
+        self._chunked: dict[str, tuple[list[list[int]], int]] = {}
         #: P's identity, returned with every finished prefill's kv_transfer_params (engine id,
         #: side-channel host and base port, TP and PP sizes): a router that learns P from its
         #: answer (llm-d's push dispatch) forwards them to D, which needs nothing else.
@@ -278,6 +281,7 @@ class PushScheduler:
         """
         refused_before = request_id in self._settled
         self._settled.discard(request_id)
+        self._chunked.pop(request_id, None)
         read = self._read.pop(request_id, None)
         if request_id in self._receiving:
             # D: aborted while waiting for its KV. vLLM keeps the blocks until the workers
@@ -337,6 +341,11 @@ class PushScheduler:
             first_tokens=first_tokens,
         )
 
+    @property
+    def streams_layers(self) -> bool:
+        """Whether any prefill may stream by layer (``layerwise`` is not off)."""
+        return self._layerwise != "off"
+
     def prefill_ends(
         self,
         request_id: str,
@@ -348,19 +357,60 @@ class PushScheduler:
         """P, layer-wise push: a request scheduled in this step for the first time, with its
         blocks. When the step computes the rest of its prompt, its KV goes in this step's
         ``streams`` (as :meth:`finished` will send it), so that the workers stream each layer as
-        it runs. Only a prompt computed in one step (after its cached prefix) streams: a prompt
-        chunked over several steps goes whole, as with ``layerwise`` off."""
+        it runs. A prompt chunked over several steps streams in the step of its last chunk
+        (:meth:`prefill_continues`), each layer's KV of the whole prompt being final once that
+        chunk ran it; except with a sliding-window group, which drops blocks between chunks."""
+        asked = self._streamed_decode(request_id, prompt_tokens)
+        if asked is None or not any(blocks):
+            return
+        # At or past the prompt's end (a resumed request recomputes its output tokens too):
+        # every prompt token's KV of a layer is final once this step ran the layer.
+        end = num_computed + num_scheduled
+        if end >= prompt_tokens:
+            send = self._send(request_id, asked.transfer_id, blocks, prompt_tokens)
+            self._pending.streams.append(send)
+        elif not (self._groups and self._groups.any_windowed):
+            self._chunked[request_id] = ([list(group) for group in blocks], prompt_tokens)
+
+    def prefill_continues(
+        self,
+        request_id: str,
+        new_blocks: Sequence[Sequence[int]] | None,
+        resumed: bool,
+        num_computed: int,
+        num_scheduled: int,
+    ) -> None:
+        """P, layer-wise push: a request scheduled again (vLLM's cached request data: the blocks
+        added for this step, or all of them when it resumed after a preemption). A chunked
+        prompt whose last chunk this step computes goes in its ``streams``."""
+        chunked = self._chunked.get(request_id)
+        if chunked is None:
+            return
+        blocks, prompt_tokens = chunked
+        if resumed:
+            blocks = [list(group) for group in new_blocks or ()]
+        elif new_blocks is not None:
+            for group, added in zip(blocks, new_blocks, strict=True):
+                group.extend(added)
+        end = num_computed + num_scheduled
+        if end < prompt_tokens:
+            self._chunked[request_id] = (blocks, prompt_tokens)
+            return
+        del self._chunked[request_id]
+        asked = self._streamed_decode(request_id, prompt_tokens)
+        if asked is not None and any(blocks):
+            send = self._send(request_id, asked.transfer_id, blocks, prompt_tokens)
+            self._pending.streams.append(send)
+
+    def _streamed_decode(self, request_id: str, prompt_tokens: int) -> RemoteDecode | None:
+        """The remote decode a prompt of ``prompt_tokens`` streams for, if ``layerwise`` says
+        it streams."""
         mode = self._layerwise
         if mode == "off" or (mode == "auto" and prompt_tokens < LAYERWISE_AUTO_MIN_TOKENS):
-            return
-        if num_computed + num_scheduled != prompt_tokens or not any(blocks):
-            return
+            return None
         read = self._read.get(request_id)
         asked = None if read is None else read[1].remote_decode
-        if asked is None or isinstance(asked, Refused):
-            return
-        send = self._send(request_id, asked.transfer_id, blocks, prompt_tokens)
-        self._pending.streams.append(send)
+        return asked if isinstance(asked, RemoteDecode) else None
 
     def finish_failed(
         self, request_id: str, params: object, error: Exception
@@ -369,6 +419,7 @@ class PushScheduler:
         (P; D is told when the transfer id is known), or kept until the cancel is confirmed
         (D, waiting for its KV)."""
         self._settled.discard(request_id)
+        self._chunked.pop(request_id, None)
         self._read.pop(request_id, None)
         if request_id in self._receiving:
             self._pending.cancels.append(request_id)

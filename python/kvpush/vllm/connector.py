@@ -271,9 +271,27 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     @staticmethod
     def _prefills_ending(sched: PushScheduler, scheduler_output: SchedulerOutput) -> None:
-        """Layer-wise push: the step's new requests, for P's streams (see
-        ``PushScheduler.prefill_ends``). A request that fails here just goes whole."""
+        """Layer-wise push: the step's new and continued requests, for P's streams (see
+        ``PushScheduler.prefill_ends``, ``prefill_continues``). A request that fails here just
+        goes whole."""
+        if not sched.streams_layers:
+            return
         scheduled = scheduler_output.num_scheduled_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            try:
+                sched.prefill_continues(
+                    request_id,
+                    cached.new_block_ids[index],
+                    request_id in cached.resumed_req_ids,
+                    cached.num_computed_tokens[index],
+                    scheduled.get(request_id, 0),
+                )
+            except Exception:
+                logger.exception(
+                    "kvpush: request %s: its layers will not stream; please report this",
+                    request_id,
+                )
         for new in scheduler_output.scheduled_new_reqs:
             try:
                 sched.prefill_ends(
