@@ -1505,3 +1505,25 @@ fn a_layer_s_write_that_fails_fails_the_transfer_once_and_p_s_kv_is_refused() {
     assert!(d.poll().is_empty(), "one failure, no second event");
     assert_eq!(p_cache.posts(), [(region_bytes(1, 20), false)], "no WRITE after the failure");
 }
+
+#[test]
+fn a_stream_of_every_region_leaves_the_done_alone_in_the_last_write() {
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-lw-p5");
+    let d = d_cache.endpoint("ep-lw-d5");
+    d.expect(expectation(&p, "req-lw-all", &[5, 9], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    let kv = ready("req-lw-all", &[3, 4], 20);
+    // Past the layout's regions: cut to them.
+    p.layers_ready(kv.clone(), 0..100).unwrap();
+    assert!(eventually(|| p.stats().streamed_writes == 1));
+    p.ready(kv).unwrap();
+    assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Done, .. }]));
+    let sent = events(&p, 1);
+    let all = region_bytes(REGIONS, 20);
+    assert_eq!((sent[0].bytes, sent[0].streamed_bytes), (all, all));
+    assert_eq!(p_cache.posts(), [(all, false), (0, true)], "the DONE in a WRITE of nothing");
+    drop((p, d));
+    assert_only_written(&d_cache, &p_cache, &[(&[5, 9], &[3, 4])], 20);
+}

@@ -312,7 +312,9 @@ impl Sends {
             src: &src,
             dst: &dst,
         };
-        let regions = regions.start..regions.end.min(planner.region_count());
+        // Clamped to the layouts': a stream that took every region leaves an empty last WRITE.
+        let end = regions.end.min(planner.region_count());
+        let regions = regions.start.min(end)..end;
         let plan = planner
             .plan_regions(&request, regions.clone())
             .map_err(|e| (FailReason::Refused, Reason::Refused, e.to_string()))?;

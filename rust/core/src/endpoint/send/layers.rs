@@ -140,6 +140,9 @@ impl Sends {
         kv: &Arc<Ready>,
         regions: Range<usize>,
     ) {
+        // This worker's regions are the planner's on both sides: a range past them is cut.
+        let count = cx.layout.regions.len();
+        let regions = regions.start.min(count)..regions.end.min(count);
         if regions.is_empty() {
             return;
         }
