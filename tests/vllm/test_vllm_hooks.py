@@ -839,25 +839,18 @@ def test_a_secret_in_the_kv_transfer_config_stops_the_engine_at_startup(
     assert secret not in str(refused.value)
 
 
-@pytest.mark.parametrize("value", ["yes", "ON", True, None])
-def test_a_bad_layerwise_stops_the_engine_at_startup_naming_the_key(
-    vllm_config: Any, monkeypatch: pytest.MonkeyPatch, value: Any
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        *(("idle_wait_ms", v) for v in ["soon", -1, 51, None]),
+        *(("layerwise", v) for v in ["yes", "ON", True, None]),
+    ],
+)
+def test_a_bad_option_stops_the_engine_at_startup_naming_the_key(
+    vllm_config: Any, monkeypatch: pytest.MonkeyPatch, key: str, value: Any
 ) -> None:
-    monkeypatch.setattr(
-        vllm_config.kv_transfer_config, "kv_connector_extra_config", {"layerwise": value}
-    )
-    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.layerwise must be one of"):
-        new_scheduler(vllm_config, "fail")
-
-
-@pytest.mark.parametrize("value", ["soon", -1, 51, None])
-def test_a_bad_idle_wait_ms_stops_the_engine_at_startup_naming_the_key(
-    vllm_config: Any, monkeypatch: pytest.MonkeyPatch, value: Any
-) -> None:
-    monkeypatch.setattr(
-        vllm_config.kv_transfer_config, "kv_connector_extra_config", {"idle_wait_ms": value}
-    )
-    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.idle_wait_ms must be"):
+    monkeypatch.setattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", {key: value})
+    with pytest.raises(ConfigError, match=rf"kv_connector_extra_config\.{key} must be"):
         new_scheduler(vllm_config, "fail")
 
 

@@ -481,21 +481,28 @@ fn unreachable_p_fails_the_expectation_with_the_address() {
     assert_eq!(reason_of(&received[0]), Some(Reason::Unreachable));
 }
 
-#[test]
-fn a_write_the_transport_never_finishes_holds_both_sides_blocks() {
-    let p_cache = Cache::new(16, |_| 9);
-    let d_cache = Cache::new(16, |_| 0);
+/// P whose WRITEs never finish, and D, with short timeouts; D expects `request` (into blocks 1
+/// and 2, for 500 ms) and its registration reached P.
+fn stuck_pair(p_cache: &Cache, d_cache: &Cache, names: [&str; 2], request: &str) -> [Endpoint; 2] {
     let fast = |c: &mut EndpointConfig| {
         c.write_timeout = Duration::from_millis(300);
         c.peer_timeout = Duration::from_millis(500);
         c.heartbeat_interval = Duration::from_millis(100);
     };
-    let p = p_cache.endpoint_with("ep-p4", Fault::StuckWrites, fast);
-    let d = d_cache.endpoint_with("ep-d4", Fault::None, fast);
-    let mut e = expectation(&p, "req-stuck", &[1, 2], 0, 20);
+    let p = p_cache.endpoint_with(names[0], Fault::StuckWrites, fast);
+    let d = d_cache.endpoint_with(names[1], Fault::None, fast);
+    let mut e = expectation(&p, request, &[1, 2], 0, 20);
     e.ttl = Duration::from_millis(500);
     d.expect(e).unwrap();
     wait_for_registration(&p);
+    [p, d]
+}
+
+#[test]
+fn a_write_the_transport_never_finishes_holds_both_sides_blocks() {
+    let p_cache = Cache::new(16, |_| 9);
+    let d_cache = Cache::new(16, |_| 0);
+    let [p, d] = stuck_pair(&p_cache, &d_cache, ["ep-p4", "ep-d4"], "req-stuck");
     p.ready(ready("req-stuck", &[3, 4], 20)).unwrap();
     // P: the WRITE is overdue, so its send is quarantined: the source blocks stay held.
     let sent = events(&p, 1);
@@ -1462,17 +1469,7 @@ fn layers_with_no_registration_or_other_kv_leave_the_whole_write_to_ready() {
 fn a_cancel_during_a_stream_waits_for_the_layer_s_write() {
     let p_cache = Cache::new(16, |_| 9);
     let d_cache = Cache::new(16, |_| 0);
-    let fast = |c: &mut EndpointConfig| {
-        c.write_timeout = Duration::from_millis(300);
-        c.peer_timeout = Duration::from_millis(500);
-        c.heartbeat_interval = Duration::from_millis(100);
-    };
-    let p = p_cache.endpoint_with("ep-lw-p3", Fault::StuckWrites, fast);
-    let d = d_cache.endpoint_with("ep-lw-d3", Fault::None, fast);
-    let mut e = expectation(&p, "req-lw-stuck", &[1, 2], 0, 20);
-    e.ttl = Duration::from_millis(500);
-    d.expect(e).unwrap();
-    wait_for_registration(&p);
+    let [p, d] = stuck_pair(&p_cache, &d_cache, ["ep-lw-p3", "ep-lw-d3"], "req-lw-stuck");
     p.layers_ready(ready("req-lw-stuck", &[3, 4], 20), 0..1).unwrap();
     // D's TTL passes and it cancels; P must not acknowledge while the layer's WRITE may still
     // land, so D's receive ends quarantined, its blocks held, never failed.
