@@ -41,6 +41,7 @@ def event_dict(event: kvpush.TransferEvent) -> dict[str, Any]:
         "code": event.code.value if event.code is not None else None,
         "bytes": event.bytes,
         "runs": event.runs,
+        "streamed_bytes": event.streamed_bytes,
         "timeline": dict(event.timeline),
     }
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
@@ -19,6 +21,7 @@ import kvpush
 from kvpush._native import lab
 from kvpush.exceptions import ConfigError, KvPushError, LayoutError
 from kvpush.vllm import _stats, config
+from kvpush.vllm._layers import Event
 from kvpush.vllm._layout import CacheGroups, Model, TensorView, layout_from_caches, views_by_group
 from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import PushWorker
@@ -323,9 +326,10 @@ def worker(
     port: int,
     idle_wait: float = 0.0,
     layerwise: str = "off",
+    layer_events: Callable[[], Event] | None = None,
 ) -> PushWorker:
     views = [view(c) for c in caches]
-    return worker_from_views(engine, views, block_size, port, idle_wait, layerwise)
+    return worker_from_views(engine, views, block_size, port, idle_wait, layerwise, layer_events)
 
 
 def worker_from_views(
@@ -335,6 +339,7 @@ def worker_from_views(
     port: int,
     idle_wait: float = 0.0,
     layerwise: str = "off",
+    layer_events: Callable[[], Event] | None = None,
 ) -> PushWorker:
     config = WorkerConfig(
         engine_id=engine,
@@ -349,7 +354,7 @@ def worker_from_views(
         idle_wait=idle_wait,
         layerwise=layerwise,
     )
-    w = PushWorker(config, Model(HEADS, HEAD, block_size))
+    w = PushWorker(config, Model(HEADS, HEAD, block_size), layer_events=layer_events)
     w.register(views, layers={f"layers.{i}": i for i in range(len(views))})
     return w
 
@@ -420,6 +425,80 @@ def test_layers_stream_as_the_forward_runs_them_and_the_last_write_carries_the_r
         p.apply(p_sched.take_metadata())
         assert wait_finished(p, d) == ({"p-req"}, {"d-req"})
         assert all(landed(layer) for layer in range(3))
+    finally:
+        p.close()
+        d.close()
+
+
+class KernelsDone:
+    """A CUDA event stand-in (a GPU forward's layer): its ``synchronize`` returns once the test
+    says the layer's kernels completed."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        self.done.wait(10.0)
+
+
+def test_a_layer_queued_on_a_gpu_stream_goes_once_its_event_completed_never_after_the_offer() -> (
+    None
+):
+    events: list[KernelsDone] = []
+
+    def event() -> KernelsDone:
+        events.append(KernelsDone())
+        return events[-1]
+
+    p_caches, d_caches = cpu_caches(3, 16, 32, seed=6), cpu_caches(3, 16, 32, seed=None)
+    p = worker("prefill-ev", p_caches, 32, 0, layerwise="on", layer_events=event)
+    d = worker("decode-ev", d_caches, 32, 0)
+    p_blocks, d_blocks = [3, 8, 1, 12], [6, 3, 9, 0]
+
+    def landed(layer: int) -> bool:
+        return all(
+            np.array_equal(p_caches[layer][pb], d_caches[layer][db])
+            for pb, db in zip(p_blocks, d_blocks, strict=True)
+        )
+
+    def streamed() -> int:
+        return p.endpoint.stats()["streamed_writes"]
+
+    try:
+        p_sched, d_sched = PushScheduler(layerwise="on"), PushScheduler()
+        p_port = int(p.endpoint.address.rsplit(":", 1)[1])
+        d_sched.allocated("d-req", {**D_PARAMS, "remote_port": p_port, "transfer_id": "xfer-lw"},
+                          [d_blocks], 0, 100, 100)  # fmt: skip
+        d.apply(d_sched.take_metadata())
+        deadline = time.monotonic() + 10.0
+        while p.endpoint.pending == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p_sched.external_tokens("p-req", P_PARAMS, 100, 0) == (0, False)
+        p_sched.prefill_ends("p-req", [p_blocks], 100, 0, 100)
+        p.apply(p_sched.take_metadata())
+        for layer in range(3):
+            p.save_layer(f"layers.{layer}")  # returns at once: the kernels are only queued
+        p.end_forward()
+        time.sleep(0.1)
+        assert not any(landed(layer) for layer in range(3)), "nothing goes before its event"
+        events[0].done.set()
+        deadline = time.monotonic() + 10.0
+        while not landed(0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert landed(0)
+        assert streamed() == 1
+        # The request's whole KV is offered while layers 1 and 2 still wait: they are dropped
+        # (the request's WRITE carries them), never handed over after the offer.
+        p_sched.finished("p-req", P_PARAMS, True, [p_blocks], 100)
+        p.apply(p_sched.take_metadata())
+        events[1].done.set()
+        events[2].done.set()
+        assert wait_finished(p, d) == ({"p-req"}, {"d-req"})
+        assert all(landed(layer) for layer in range(3))
+        assert streamed() == 1
     finally:
         p.close()
         d.close()

@@ -8,9 +8,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import IO
 
 import kvpush
@@ -23,22 +22,12 @@ from kvpush.exceptions import (
     UnhealthyError,
 )
 from kvpush.vllm import _stats
+from kvpush.vllm._layers import Event, LayerGate, Stream, cuda_events
 from kvpush.vllm._layout import CacheLayout, Model, TensorView, layout_from_caches, sources_of
 from kvpush.vllm.config import WorkerConfig, native_thread_cpus, timeline_dir
 from kvpush.vllm.metadata import PushMetadata, RecvRefused, RecvRequest, SendRequest
 
 logger = logging.getLogger("vllm.kvpush")
-
-
-@dataclass(frozen=True)
-class _Stream:
-    """A prefill that ends in this step's forward, as `Endpoint.layers_ready` takes it."""
-
-    request_id: str
-    blocks: list[list[int]]
-    num_tokens: int
-    transfer_id: str | None
-    first_tokens: list[int] | None
 
 
 @contextmanager
@@ -76,7 +65,15 @@ def compatibility(model_fingerprint: str, cache: CacheLayout) -> str:
 class PushWorker:
     """One worker's endpoint and the requests it tracks for vLLM."""
 
-    def __init__(self, config: WorkerConfig, model: Model) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        model: Model,
+        *,
+        layer_events: Callable[[], Event] | None = None,
+    ) -> None:
+        """``layer_events`` makes the events a layer's KV waits for before it streams (default:
+        CUDA events on a GPU worker, none on a CPU one, whose forward is synchronous)."""
         self._config = config
         self._model = model
         self._endpoint: kvpush.Endpoint | None = None
@@ -102,10 +99,13 @@ class PushWorker:
         #: Unix time of the endpoint clock's zero, taken once while the worker is quiet: two
         #: clock reads on a busy machine can be tens of ms apart, which would skew timelines.
         self._clock_offset = 0.0
-        #: Layer-wise push: each moved layer's regions (empty: layers do not stream here), and
-        #: the step's streams as `layers_ready` takes them (see `save_layer`).
+        #: Layer-wise push: each moved layer's regions (empty: layers do not stream here), the
+        #: step's streams as `layers_ready` takes them, and the gate that hands a layer over
+        #: once its KV is final (see `save_layer`).
         self._layer_regions: dict[str, tuple[int, int]] = {}
-        self._streams: list[_Stream] = []
+        self._streams: list[Stream] = []
+        self._layer_events = layer_events
+        self._gate = LayerGate(self._stream_layer)
 
     @property
     def endpoint(self) -> kvpush.Endpoint:
@@ -202,20 +202,15 @@ class PushWorker:
     def _streamed_layers(
         self, cache: CacheLayout, layers: Mapping[str, int], device: int | None
     ) -> dict[str, tuple[int, int]]:
-        """Each layer's regions, when this worker streams layers (``layerwise`` on or auto)."""
+        """Each layer's regions, when this worker streams layers (``layerwise`` on or auto).
+        A GPU worker's layers wait for a CUDA event each: vLLM calls ``save_kv_layer`` when
+        the layer's kernels are queued, not done."""
         if self._config.layerwise == "off" or not layers:
             return {}
-        if device is not None:
-            # A CUDA layer's kernels are only queued when vLLM calls save_kv_layer: writing
-            # then could send KV not yet computed. Until the writer waits on a CUDA event per
-            # layer, the KV goes once the request's prefill is over.
-            logger.warning(
-                "kvpush: layerwise=%s is not used on GPU %s yet (it needs a CUDA event per "
-                "layer); each request's KV is written once its prefill is over",
-                self._config.layerwise,
-                device,
-            )
-            return {}
+        events = self._layer_events
+        if events is None and device is not None:
+            events = cuda_events
+        self._gate = LayerGate(self._stream_layer, events)
         return {name: cache.layer_regions[index] for name, index in layers.items()}
 
     def apply(self, metadata: PushMetadata) -> None:
@@ -226,7 +221,7 @@ class PushWorker:
         if self._layer_regions:
             tokens = self._layout.tokens_to_write
             self._streams = [
-                _Stream(
+                Stream(
                     s.request_id,
                     [list(group) for group in s.blocks],
                     tokens(s.num_tokens),
@@ -256,16 +251,24 @@ class PushWorker:
             )
 
     def save_layer(self, layer_name: str) -> None:
-        """P, layer-wise push: ``layer_name`` ran in this step's forward, so its KV of the
-        step's streams is final: the endpoint writes it where D registered (and nothing
-        happens where D did not). Never raises, and never waits for the transfer."""
+        """P, layer-wise push: the forward pass ran ``layer_name`` (a GPU one queued its
+        kernels): once its KV of the step's streams is final, the endpoint writes it where D
+        registered (and nothing happens where D did not). Never raises, and never waits for
+        the kernels or the transfer."""
         if not self._streams:
             return
         regions = self._layer_regions.get(layer_name)
         if regions is None:
             return
-        start, end = regions
-        for stream in self._streams:
+        try:
+            self._gate.layer_done(self._streams, *regions)
+        except Exception:
+            # Nothing streamed: each request's WRITE carries this layer.
+            logger.exception("kvpush: layer %s not streamed", layer_name)
+
+    def _stream_layer(self, streams: Sequence[Stream], start: int, end: int) -> None:
+        """Regions ``[start, end)`` of ``streams`` are final: the endpoint writes them."""
+        for stream in streams:
             try:
                 self.endpoint.layers_ready(
                     stream.request_id,
@@ -277,11 +280,12 @@ class PushWorker:
                     first_tokens=stream.first_tokens,
                 )
             except Exception as error:
-                # Nothing streamed: the request's WRITE carries this layer.
+                # Nothing streamed: the request's WRITE carries these regions.
                 logger.debug(
-                    "kvpush: request %s: layer %s not streamed: %s",
+                    "kvpush: request %s: regions %d..%d not streamed: %s",
                     stream.request_id,
-                    layer_name,
+                    start,
+                    end,
                     error,
                 )
 
@@ -295,6 +299,7 @@ class PushWorker:
         if request_id in self._sending:
             logger.error("kvpush: request %s offered twice; the first offer stands", request_id)
             return
+        self._gate.close_stream(request_id)  # no layer of it is handed over after the offer
         try:
             self.endpoint.ready(
                 request_id,
@@ -323,6 +328,7 @@ class PushWorker:
     def _abort(self, request_id: str, transfer_id: str | None) -> None:
         """P: a prefill ended without KV to send; D is told if it registered. vLLM freed the
         blocks already, so there is nothing to report."""
+        self._gate.close_stream(request_id)
         try:
             self.endpoint.abort(request_id, transfer_id)
         except BusyError:
@@ -552,6 +558,10 @@ class PushWorker:
     def close(self) -> None:
         """Closes the endpoint (failing what is pending) and the timeline; never raises."""
         self._closed = True
+        try:
+            self._gate.close()  # the layers it holds go first
+        except Exception:
+            logger.exception("kvpush: stopping the layer waiter failed")
         try:
             if self._endpoint is not None:
                 stuck = self._endpoint.close()

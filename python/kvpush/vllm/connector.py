@@ -400,9 +400,10 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        # Layer-wise push: the layer ran (a CPU forward is synchronous), so its KV of the
-        # step's streams is final; the native writer writes it where D registered. Otherwise
-        # P's KV is written once the request finishes.
+        # Layer-wise push: the layer ran (a CPU forward is synchronous) or its kernels are
+        # queued (GPU: a CUDA event recorded here, waited on off this thread); once its KV of
+        # the step's streams is final the native writer writes it where D registered.
+        # Otherwise P's KV is written once the request finishes.
         if self._worker is not None:
             self._worker.save_layer(layer_name)
 
