@@ -4,6 +4,12 @@
 //! indices), for 64 layers (K and V regions) x 1,000 blocks, fragmented and contiguous, as the
 //! planner gives them. Only the post is timed; each WRITE is then driven to completion, untimed.
 //!
+//! Then the writer's control work per request, planning included, whole against layer-wise
+//! push: one WRITE of every region (plan, block indices, post) against one WRITE per layer (its
+//! two regions planned and posted with no notification, 64 times) and the last WRITE carrying
+//! only the DONE, for each way of posting. Only the writer's work is timed (the sum over the
+//! request's posts); each WRITE is driven to completion, untimed, before the next.
+//!
 //! Needs `KVPUSH_NIXL_CAPI` (prints SKIP without it); run with `UCX_NET_DEVICES=lo`:
 //! `cargo bench -p kvpush-nixl --bench post_write`. Prints a table with the ratio, then
 //! criterion's figures.
@@ -131,6 +137,86 @@ impl Bench {
         took
     }
 
+    /// The writer's work for one request, planned from its block lists as the writer plans
+    /// it: one WRITE of every region, or (`layer_wise`) one WRITE of each layer's K and V
+    /// regions with no notification and a last one carrying only the DONE. Returns the summed
+    /// time of planning and posting.
+    fn request(
+        &mut self,
+        blocks: u32,
+        contiguous: bool,
+        prepared: bool,
+        layer_wise: bool,
+    ) -> Duration {
+        let ids = || block_ids(blocks, CAPACITY, contiguous);
+        let (p, d) = (ids(), ids());
+        let num_tokens = u64::from(blocks * BLOCK_TOKENS);
+        let src = [BlockList { first_token: 0, ids: &p }];
+        let dst = [BlockList { first_token: 0, ids: &d }];
+        let req = PlanRequest { request: "bench", num_tokens, src: &src, dst: &dst };
+        let regions = self.planner.region_count();
+        let steps: Vec<(std::ops::Range<usize>, bool)> = if layer_wise {
+            (0..regions)
+                .step_by(2)
+                .map(|first| (first..first + 2, false))
+                .chain(std::iter::once((regions..regions, true)))
+                .collect()
+        } else {
+            vec![(0..regions, true)]
+        };
+        let mut indices = BlockIndices::default();
+        let mut took = Duration::ZERO;
+        for (range, notify) in steps {
+            let start = Instant::now();
+            let write = self.post_regions(&req, range, notify, prepared, &mut indices);
+            took += start.elapsed();
+            if notify {
+                self.finish(write);
+            } else {
+                self.finish_silent(write);
+            }
+        }
+        took
+    }
+
+    fn post_regions(
+        &mut self,
+        req: &PlanRequest<'_>,
+        regions: std::ops::Range<usize>,
+        notify: bool,
+        prepared: bool,
+        blocks: &mut BlockIndices,
+    ) -> WriteId {
+        let dram = MemorySpace::DRAM;
+        let notification = notify.then_some(&b"done"[..]);
+        let plan = self.planner.plan_regions(req, regions.clone()).expect("valid request");
+        let tables = self.planner.block_tables().expect("tables");
+        if prepared && self.planner.block_indices_of_regions_into(req, regions, blocks) {
+            let write = BlockWrite {
+                runs: &plan.runs,
+                src_blocks: tables.0,
+                dst_blocks: tables.1,
+                src: blocks.src(),
+                dst: blocks.dst(),
+            };
+            self.a.post_block_write(&self.peer, black_box(&write), dram, dram, notification)
+        } else {
+            self.a.post_write(&self.peer, black_box(&plan.runs), dram, dram, notification)
+        }
+        .expect("posted")
+    }
+
+    /// Drives a WRITE without a notification to its end (D's agent progressed too: UCX over
+    /// loopback may need both sides to move).
+    fn finish_silent(&mut self, write: WriteId) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.a.poll_write(write).expect("poll_write") != WriteState::Done {
+            self.b.take_notifications(&mut self.notes).expect("take_notifications");
+            assert!(Instant::now() < deadline, "the WRITE did not finish");
+        }
+        assert!(self.notes.is_empty(), "a WRITE without a notification notified");
+    }
+
     fn finish(&mut self, write: WriteId) {
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut done = false;
@@ -186,6 +272,38 @@ fn bench_post_write(c: &mut Criterion) {
             prepared,
             fresh.as_secs_f64() / prepared.as_secs_f64()
         );
+    }
+    println!();
+    println!(
+        "the writer's work per request ({LAYERS} layers, plan + post summed), median of \
+         {SAMPLES}: one WRITE, or one per layer and a last one with the DONE"
+    );
+    println!(
+        "{:<8} {:<11} {:<9} {:>12} {:>14} {:>7}",
+        "blocks", "case", "lists", "one WRITE", "per layer", "ratio"
+    );
+    for blocks in [64, BLOCKS] {
+        for contiguous in [false, true] {
+            for prepared in [false, true] {
+                let mut request = |layer_wise| {
+                    let samples = (0..SAMPLES)
+                        .map(|_| bench.request(blocks, contiguous, prepared, layer_wise))
+                        .collect();
+                    median(samples)
+                };
+                request(true); // warm-up: lists prepared
+                let (whole, layers) = (request(false), request(true));
+                println!(
+                    "{:<8} {:<11} {:<9} {:>12.1?} {:>14.1?} {:>6.2}x",
+                    blocks,
+                    if contiguous { "contiguous" } else { "fragmented" },
+                    if prepared { "prepared" } else { "fresh" },
+                    whole,
+                    layers,
+                    layers.as_secs_f64() / whole.as_secs_f64()
+                );
+            }
+        }
     }
     let mut group = c.benchmark_group("nixl post_write/64 layers x 1000 blocks");
     group.sample_size(10).measurement_time(Duration::from_secs(5));

@@ -86,3 +86,91 @@ impl ConnectFailure {
         Self { reason, refused: false, busy: false, timed_out: false }
     }
 }
+
+/// Merges the layers a busy writer found queued together: within each stretch of consecutive
+/// [`Command::Layers`], a command that continues an earlier one of the same transfer (from the
+/// same KV, its regions starting where that one's end) is folded into it, so those layers go
+/// as one WRITE rather than one each. Any other command ends the stretch: nothing is merged
+/// across it, and the commands keep their order otherwise.
+pub(crate) fn coalesce_layers(commands: Vec<Command>) -> Vec<Command> {
+    let mut out: Vec<Command> = Vec::with_capacity(commands.len());
+    // Where the current stretch of layer commands starts in `out`.
+    let mut stretch = 0;
+    for command in commands {
+        let Command::Layers { key, ready, regions } = &command else {
+            out.push(command);
+            stretch = out.len();
+            continue;
+        };
+        let earlier = out[stretch..].iter_mut().rev().find_map(|kept| match kept {
+            Command::Layers { key: k, ready: r, regions: kept } if k == key => Some((r, kept)),
+            _ => None,
+        });
+        if let Some((kept_ready, kept)) = earlier {
+            let same_kv = kept_ready.kv.num_tokens == ready.kv.num_tokens
+                && kept_ready.kv.groups == ready.kv.groups;
+            if same_kv && kept.end == regions.start {
+                kept.end = regions.end;
+                continue;
+            }
+        }
+        out.push(command);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::ReadyKv;
+    use crate::protocol::BlockGroup;
+
+    fn layers(request: &str, tokens: u64, regions: Range<usize>) -> Command {
+        let kv = ReadyKv {
+            request_id: request.to_owned(),
+            transfer_id: None,
+            groups: vec![BlockGroup { first_token: 0, block_ids: vec![1, 2] }],
+            num_tokens: tokens,
+            ttl: std::time::Duration::from_secs(1),
+        };
+        let key = TransferKey::for_request(None, request);
+        Command::Layers { key, ready: Arc::new(Ready { kv, at: Instant::now() }), regions }
+    }
+
+    fn shape(commands: &[Command]) -> Vec<String> {
+        commands
+            .iter()
+            .map(|c| match c {
+                Command::Layers { ready, regions, .. } => {
+                    format!("{}:{}..{}", ready.kv.request_id, regions.start, regions.end)
+                }
+                other => format!("{other:?}").split_whitespace().next().unwrap_or("").to_owned(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn queued_layers_of_one_transfer_merge_into_one_range_per_stretch() {
+        let commands = vec![
+            layers("a", 32, 0..2),
+            layers("b", 32, 0..2),
+            layers("a", 32, 2..4),
+            layers("b", 32, 2..4),
+            layers("a", 32, 4..6),
+            Command::Stop,
+            layers("a", 32, 6..8),
+        ];
+        assert_eq!(shape(&coalesce_layers(commands)), ["a:0..6", "b:0..4", "Stop", "a:6..8"]);
+    }
+
+    #[test]
+    fn layers_that_do_not_continue_or_come_from_another_kv_stay_apart() {
+        let commands = vec![
+            layers("a", 32, 0..2),
+            layers("a", 32, 0..2), // reported twice
+            layers("a", 32, 4..6), // a gap
+            layers("a", 48, 6..8), // another KV (a longer prompt)
+        ];
+        assert_eq!(shape(&coalesce_layers(commands)), ["a:0..2", "a:0..2", "a:4..6", "a:6..8"]);
+    }
+}

@@ -50,7 +50,7 @@ use crate::side_channel::{PeerId, PeerInfo};
 use crate::transport::Transport;
 
 use super::agents::UnusableAgent;
-use super::command::Command;
+use super::command::{self, Command};
 use super::context::{Context, Peer, Unplannable, MAX_HORIZON};
 use super::events::{Event, Reason};
 use super::inbox::Commands;
@@ -167,6 +167,8 @@ impl<T: Transport> Writer<T> {
         }
         // Deadlines first: nothing below may drive the transport for a write before its
         // deadline was looked at (a stalled process resumes here).
+        // Layers that queued up while the writer was busy go as one WRITE each.
+        let commands = command::coalesce_layers(commands);
         let now = self.cx.shared.boot_now();
         self.sends.notice_overdue_writes(&mut self.cx, now);
         self.sends.poll_writes(&mut self.cx);

@@ -10,6 +10,9 @@
 //! match with P's whole KV if it became ready meanwhile, or ends the key if D cancelled, and
 //! every cancel deferred meanwhile is acknowledged.
 //!
+//! Layers that queued up while the writer was busy arrive merged (`command::coalesce_layers`):
+//! one WRITE for all of them, so a writer that falls behind posts fewer WRITEs, not more.
+//!
 //! Regions are streamed in order, from the first: a range that does not continue what was
 //! streamed (a layer reported twice or out of order) is left to the last WRITE. The request's
 //! WRITE (`Sends::write`) then starts at the first region not streamed, provided it writes into
