@@ -488,6 +488,19 @@ class PushWorker:
 
     def _report(self, event: kvpush.TransferEvent) -> None:
         request_id = event.request_id
+        if event.outcome == kvpush.Outcome.QUARANTINED:
+            # A notice, not the end: a WRITE may still be moving bytes (P stalled, a link cut, a
+            # peer that never confirmed), so the request is not reported finished and vLLM keeps
+            # its blocks allocated (a receive's even if the request is aborted). Its final event
+            # follows once the transport or P settles it, or never: alert on these. Logged for a
+            # request not offered yet too (a layer's WRITE, streamed during its prefill).
+            logger.error(
+                "kvpush: %s of %s quarantined, its KV blocks stay held until it settles: %s",
+                event.role,
+                request_id,
+                event.reason,
+            )
+            return
         tracked = request_id in (
             self._sending if event.role == kvpush.Role.SEND else self._recv_blocks
         )
@@ -497,18 +510,6 @@ class PushWorker:
                 event.role,
                 event.outcome,
                 request_id,
-            )
-            return
-        if event.outcome == kvpush.Outcome.QUARANTINED:
-            # A notice, not the end: a WRITE may still be moving bytes (P stalled, a link cut, a
-            # peer that never confirmed), so the request is not reported finished and vLLM keeps
-            # its blocks allocated (a receive's even if the request is aborted). Its final event
-            # follows once the transport or P settles it, or never: alert on these.
-            logger.error(
-                "kvpush: %s of %s quarantined, its KV blocks stay held until it settles: %s",
-                event.role,
-                request_id,
-                event.reason,
             )
             return
         if event.role == kvpush.Role.SEND:

@@ -1515,7 +1515,17 @@ fn a_cancel_during_a_stream_waits_for_the_layer_s_write() {
         "{received:?}"
     );
     assert_eq!(p.pending(), 1, "the stream still holds the registration in P's table");
+    // P: the layer's WRITE is overdue, so its send is quarantined (a notice, not its end).
+    let sent = events(&p, 1);
+    assert!(
+        matches!(&sent[..], [Event { outcome: Outcome::Quarantined(reason), request_id, .. }]
+            if reason.contains("a layer's WRITE is not done") && request_id == "req-lw-stuck"),
+        "{sent:?}"
+    );
+    assert_eq!(p.stats().quarantined_writes, 1);
     assert!(p.ready(ready("req-lw-stuck", &[3, 4], 20)).is_err(), "the transfer was cancelled");
+    std::thread::sleep(Duration::from_millis(400));
+    assert!(p.poll().is_empty(), "one notice");
 }
 
 #[test]

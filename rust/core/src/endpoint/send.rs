@@ -434,6 +434,7 @@ impl Sends {
             };
             cx.emit(event);
         }
+        self.notice_overdue_partials(cx, now);
     }
 
     pub(super) fn poll_writes<T: Transport>(&mut self, cx: &mut Context<T>) {

@@ -30,6 +30,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::clock::BootInstant;
 use crate::key::TransferKey;
 use crate::protocol::{FailReason, Message};
 use crate::rendezvous::{AfterStream, Cancelled, FenceReason, StreamStart};
@@ -38,7 +39,7 @@ use crate::sync::lock;
 use crate::transport::{Transport, WriteId, WriteState};
 
 use super::super::context::Context;
-use super::super::events::{Outcome, Reason};
+use super::super::events::{Event, Outcome, Reason, Role, Timeline};
 use super::super::halves::{Ready, Registration};
 use super::super::Counters;
 use super::{release_slot, report_send, Refusal, Sends};
@@ -113,6 +114,10 @@ pub(in crate::endpoint) struct Partial {
     agent: String,
     bytes: u64,
     runs: u32,
+    /// When it was posted (boot clock: it counts a stalled VM's time too).
+    posted_boot: BootInstant,
+    /// Past its write timeout, and reported quarantined (see `notice_overdue_partials`).
+    overdue: bool,
 }
 
 impl Sends {
@@ -200,9 +205,56 @@ impl Sends {
                 stream.in_flight += 1;
                 stream.first_posted.get_or_insert_with(|| cx.shared.now());
                 Counters::add(&cx.shared.counters.streamed_writes);
-                self.partials.push(Partial { write, key: key.clone(), agent, bytes, runs });
+                self.partials.push(Partial {
+                    write,
+                    key: key.clone(),
+                    agent,
+                    bytes,
+                    runs,
+                    posted_boot: cx.shared.boot_now(),
+                    overdue: false,
+                });
             }
             Err(refusal) => stream.failed = Some(refusal),
+        }
+    }
+
+    /// Reports each stream WRITE past the write timeout as its send's quarantine notice, once:
+    /// as for a request's WRITE, P keeps the source blocks and D its destination blocks (the
+    /// table holds the stream's registration, D's cancel waits) until the transport finished.
+    pub(super) fn notice_overdue_partials<T: Transport>(
+        &mut self,
+        cx: &mut Context<T>,
+        now: BootInstant,
+    ) {
+        let timeout = self.write_timeout;
+        for partial in &mut self.partials {
+            if partial.overdue || now.saturating_duration_since(partial.posted_boot) <= timeout {
+                continue;
+            }
+            partial.overdue = true;
+            let Some(stream) = self.streams.get(&partial.key) else { continue };
+            Counters::add(&cx.shared.counters.quarantined_writes);
+            let detail = format!(
+                "transfer {}: a layer's WRITE is not done after {timeout:?} (a stalled process or \
+                 link, or a slow peer); P keeps its source blocks, and D its destination blocks, \
+                 until the transport has finished with it",
+                partial.key
+            );
+            cx.emit(Event {
+                role: Role::Send,
+                request_id: stream.kv.kv.request_id.clone(),
+                key: partial.key.clone(),
+                outcome: Outcome::quarantined(detail),
+                bytes: partial.bytes,
+                runs: partial.runs,
+                streamed_bytes: stream.bytes,
+                timeline: Timeline {
+                    ready: None,
+                    streamed: stream.first_posted.map(|at| cx.seconds(at)),
+                    ..Timeline::default()
+                },
+            });
         }
     }
 
