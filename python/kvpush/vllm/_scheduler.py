@@ -357,9 +357,11 @@ class PushScheduler:
         """P, layer-wise push: a request scheduled in this step for the first time, with its
         blocks. When the step computes the rest of its prompt, its KV goes in this step's
         ``streams`` (as :meth:`finished` will send it), so that the workers stream each layer as
-        it runs. A prompt chunked over several steps streams in the step of its last chunk
-        (:meth:`prefill_continues`), each layer's KV of the whole prompt being final once that
-        chunk ran it; except with a sliding-window group, which drops blocks between chunks."""
+        it runs. A prompt chunked over several steps streams chunk by chunk (here and in
+        :meth:`prefill_continues`): each step's stream is the prompt's KV so far, its tokens
+        before the chunk's end in the blocks that hold them (only the last chunk, with the whole
+        prompt's KV, where the block size is not known). Not with a sliding-window group, which
+        drops blocks between chunks: a chunked prompt then goes whole."""
         asked = self._streamed_decode(request_id, prompt_tokens)
         if asked is None or not any(blocks):
             return
@@ -371,6 +373,7 @@ class PushScheduler:
             self._pending.streams.append(send)
         elif not (self._groups and self._groups.any_windowed):
             self._chunked[request_id] = ([list(group) for group in blocks], prompt_tokens)
+            self._stream_chunk(request_id, asked, blocks, end)
 
     def prefill_continues(
         self,
@@ -382,7 +385,8 @@ class PushScheduler:
     ) -> None:
         """P, layer-wise push: a request scheduled again (vLLM's cached request data: the blocks
         added for this step, or all of them when it resumed after a preemption). A chunked
-        prompt whose last chunk this step computes goes in its ``streams``."""
+        prompt goes in the step's ``streams``: its KV so far, or all of it in the step of its
+        last chunk."""
         chunked = self._chunked.get(request_id)
         if chunked is None:
             return
@@ -395,12 +399,32 @@ class PushScheduler:
         end = num_computed + num_scheduled
         if end < prompt_tokens:
             self._chunked[request_id] = (blocks, prompt_tokens)
+            asked = self._streamed_decode(request_id, prompt_tokens)
+            if asked is not None and num_scheduled > 0:
+                self._stream_chunk(request_id, asked, blocks, end)
             return
         del self._chunked[request_id]
         asked = self._streamed_decode(request_id, prompt_tokens)
         if asked is not None and any(blocks):
             send = self._send(request_id, asked.transfer_id, blocks, prompt_tokens)
             self._pending.streams.append(send)
+
+    def _stream_chunk(
+        self,
+        request_id: str,
+        asked: RemoteDecode,
+        blocks: Sequence[Sequence[int]],
+        end: int,
+    ) -> None:
+        """A chunk of a prompt computed over several steps ends at token ``end`` in this step:
+        the KV of the tokens before it, in the blocks that hold them, streams (each layer's once
+        the step ran it). Not where the block size is unknown."""
+        if self._groups is None or end <= 0:
+            return
+        count = -(-end // self._groups.block_size)
+        chunk = [list(group[:count]) for group in blocks]
+        if any(chunk):
+            self._pending.streams.append(self._send(request_id, asked.transfer_id, chunk, end))
 
     def _streamed_decode(self, request_id: str, prompt_tokens: int) -> RemoteDecode | None:
         """The remote decode a prompt of ``prompt_tokens`` streams for, if ``layerwise`` says

@@ -728,6 +728,38 @@ impl Planner {
         self.regions.len()
     }
 
+    /// D's lists `dst` narrowed to what a WRITE of P's KV of the tokens before `num_tokens`
+    /// still owes once every token before `written` is in D: from the start of D's block that
+    /// holds token `written - 1` (written again: P may have had only part of that block, and a
+    /// block that moves whole carried P's scratch past it), or a list's own first token when
+    /// that is later, up to `num_tokens`. Layer-wise push writes a prompt computed in chunks
+    /// this way, chunk by chunk. A list that starts at or past `num_tokens` is left as it is
+    /// (there is nothing to write into it, and a plan refuses it).
+    pub fn narrow_destination<'a>(
+        &self,
+        dst: &[BlockList<'a>],
+        written: u64,
+        num_tokens: u64,
+    ) -> Vec<BlockList<'a>> {
+        // block_tokens is at least 1: the layout was validated.
+        let block = u64::from(self.dst.block_tokens);
+        let from = written.saturating_sub(1) / block * block;
+        dst.iter()
+            .map(|list| {
+                if list.first_token >= num_tokens {
+                    return *list;
+                }
+                let first = from.max(list.first_token);
+                let skip =
+                    usize::try_from((first - list.first_token) / block).unwrap_or(usize::MAX);
+                let keep =
+                    usize::try_from((num_tokens - first).div_ceil(block)).unwrap_or(usize::MAX);
+                let ids = list.ids.get(skip..).unwrap_or_default();
+                BlockList { first_token: first, ids: &ids[..keep.min(ids.len())] }
+            })
+            .collect()
+    }
+
     /// Validates `req` and appends its runs to `out`, so a caller can reuse one buffer.
     ///
     /// On error `out` is left as it was. Runs are never merged with runs already in `out`.

@@ -1478,6 +1478,65 @@ fn layers_queued_while_the_writer_is_busy_go_as_one_write() {
     assert_only_written(&d_cache, &p_cache, &[(&[5, 9], &[3, 4])], 20);
 }
 
+/// Bytes of the WRITEs posted so far that notified nobody (layers of streams).
+fn streamed_posts(cache: &Cache) -> u64 {
+    cache.posts().iter().filter(|(_, notified)| !notified).map(|(bytes, _)| bytes).sum()
+}
+
+#[test]
+fn a_chunked_prompt_streams_chunk_by_chunk_and_the_done_carries_what_is_left() {
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-lw-chunks-p");
+    let d = d_cache.endpoint("ep-lw-chunks-d");
+    d.expect(expectation(&p, "req-chunks", &[5, 9, 11], 0, 40)).unwrap();
+    wait_for_registration(&p);
+    // First chunk: tokens 0..20 in P's blocks 3 and 4, every layer.
+    let first = ready("req-chunks", &[3, 4], 20);
+    for layer in 0..REGIONS as usize {
+        p.layers_ready(first.clone(), layer..layer + 1).unwrap();
+    }
+    let chunk = region_bytes(REGIONS, 20);
+    assert!(eventually(|| streamed_posts(&p_cache) == chunk), "{:?}", p_cache.posts());
+    // Second chunk: tokens up to 40 (block 6 added); two of its layers ran. It writes from D's
+    // block holding token 19 (tokens 16..40): that block's tail was not P's KV yet.
+    let second = ready("req-chunks", &[3, 4, 6], 40);
+    p.layers_ready(second.clone(), 0..1).unwrap();
+    p.layers_ready(second.clone(), 1..2).unwrap();
+    let more = region_bytes(2, 24);
+    assert!(eventually(|| streamed_posts(&p_cache) == chunk + more), "{:?}", p_cache.posts());
+    assert!(d.poll().is_empty(), "D heard of nothing before P's KV was ready");
+    // The prompt's end: the request's WRITE carries the two layers left of tokens 16..40.
+    p.ready(second).unwrap();
+    assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Done, .. }]));
+    let sent = events(&p, 1);
+    assert_eq!(p_cache.posts().last(), Some(&(region_bytes(2, 24), true)));
+    assert_eq!(sent[0].streamed_bytes, chunk + more);
+    assert_eq!(sent[0].bytes, chunk + more + region_bytes(2, 24));
+    drop((p, d));
+    assert_only_written(&d_cache, &p_cache, &[(&[5, 9, 11], &[3, 4, 6])], 40);
+}
+
+#[test]
+fn a_chunk_inside_d_s_prefix_hit_is_not_written() {
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-lw-hit-p");
+    let d = d_cache.endpoint("ep-lw-hit-d");
+    // D holds tokens 0..16 already; it needs 16..40, into blocks 9 and 11.
+    d.expect(expectation(&p, "req-hit", &[9, 11], 16, 40)).unwrap();
+    wait_for_registration(&p);
+    let first = ready("req-hit", &[3], 16);
+    p.layers_ready(first, 0..REGIONS as usize).unwrap();
+    let second = ready("req-hit", &[3, 4, 6], 40);
+    p.layers_ready(second.clone(), 0..REGIONS as usize).unwrap();
+    let needed = region_bytes(REGIONS, 24);
+    assert!(eventually(|| streamed_posts(&p_cache) == needed), "{:?}", p_cache.posts());
+    p.ready(second).unwrap();
+    assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Done, .. }]));
+    assert_eq!(p_cache.posts(), [(needed, false), (0, true)], "only the tokens D needs");
+}
+
 #[test]
 fn layers_with_no_registration_or_other_kv_leave_the_whole_write_to_ready() {
     let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
@@ -1488,15 +1547,19 @@ fn layers_with_no_registration_or_other_kv_leave_the_whole_write_to_ready() {
     p.layers_ready(ready("req-early", &[3, 4], 20), 0..2).unwrap();
     d.expect(expectation(&p, "req-early", &[5, 9], 0, 20)).unwrap();
     wait_for_registration(&p);
-    // The KV of a first chunk (fewer tokens than D asks for) is not streamed either.
-    p.layers_ready(ready("req-early", &[3], 16), 0..2).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
-    assert_eq!(p_cache.posts(), [], "nothing streamed");
+    // A first chunk in other blocks than the KV P offers (a preempted prefill, computed
+    // again elsewhere): it streams, and the request's WRITE writes everything again.
+    p.layers_ready(ready("req-early", &[7], 16), 0..2).unwrap();
+    assert!(eventually(|| p_cache.posts() == [(region_bytes(2, 16), false)]));
     p.ready(ready("req-early", &[3, 4], 20)).unwrap();
     assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Done, .. }]));
     let sent = events(&p, 1);
-    assert_eq!((sent[0].streamed_bytes, sent[0].timeline.streamed), (0, None));
-    assert_eq!(p_cache.posts(), [(region_bytes(REGIONS, 20), true)]);
+    assert_eq!(sent[0].streamed_bytes, region_bytes(2, 16));
+    assert_eq!(
+        p_cache.posts(),
+        [(region_bytes(2, 16), false), (region_bytes(REGIONS, 20), true)],
+        "the request's WRITE writes every region of every token"
+    );
     drop((p, d));
     assert_only_written(&d_cache, &p_cache, &[(&[5, 9], &[3, 4])], 20);
 }

@@ -79,6 +79,27 @@ impl Case {
         }
     }
 
+    /// P's memory while only the tokens before `cut` are computed: every slot of a token from
+    /// `cut` on, to the end of P's last listed block, holds scratch (each byte inverted).
+    fn scratch_from(&self, cut: u64, final_mem: &[u8]) -> Vec<u8> {
+        let mut mem = final_mem.to_vec();
+        let head_bytes = self.src.head_bytes as usize;
+        let block_tokens = u64::from(self.src.block_tokens);
+        for region in &self.src.regions {
+            let list = &self.src_lists[region.group as usize];
+            let end = list.first_token + list.ids.len() as u64 * block_tokens;
+            for token in cut.max(list.first_token)..end {
+                for head in 0..u64::from(self.src.heads) {
+                    let at = naive_address(&self.src, region, list, token, head);
+                    for byte in &mut mem[at..at + head_bytes] {
+                        *byte = !*byte;
+                    }
+                }
+            }
+        }
+        mem
+    }
+
     /// Bytes a plan must write: tokens x shared heads x head bytes, per region.
     fn expected_bytes(&self) -> u64 {
         let shared = self.shared_heads().end - self.shared_heads().start;
@@ -498,6 +519,54 @@ proptest! {
             matches!(beyond, Err(PlanError::RegionsOutOfRange { .. })),
             "a range past the layouts' regions is refused"
         );
+    }
+
+    /// Layer-wise push over a prompt computed in two chunks: the first chunk's plan (P's lists
+    /// cut at its end, D's narrowed to it), written while P's KV past the cut is still scratch,
+    /// then the rest's (D's lists narrowed past what the chunk wrote), leave D exactly as the
+    /// whole plan does: whatever scratch the first wrote (a partial block, a block moved whole)
+    /// the second writes over, and neither writes outside the whole plan's bytes.
+    #[test]
+    fn plans_of_a_chunked_prompt_write_the_whole_plan(
+        case in case(),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let starts = case.dst_lists.iter().map(|l| l.first_token).max().unwrap_or(0);
+        prop_assume!(case.num_tokens > starts + 1);
+        // A cut inside the tokens D needs of every group.
+        let cut = starts + 1 + cut.index((case.num_tokens - starts - 1) as usize) as u64;
+        let planner = case.planner();
+        let block_tokens = u64::from(case.src.block_tokens);
+        let chunk_lists: Vec<List> = case
+            .src_lists
+            .iter()
+            .map(|l| List {
+                first_token: l.first_token,
+                ids: l.ids[..(cut - l.first_token).div_ceil(block_tokens) as usize].to_vec(),
+            })
+            .collect();
+        let (src_chunk, src_all) = (borrowed(&chunk_lists), borrowed(&case.src_lists));
+        let dst = borrowed(&case.dst_lists);
+        let dst_chunk = planner.narrow_destination(&dst, 0, cut);
+        let dst_rest = planner.narrow_destination(&dst, cut, case.num_tokens);
+        let chunk = PlanRequest { request: "req-7", num_tokens: cut, src: &src_chunk, dst: &dst_chunk };
+        let rest = PlanRequest {
+            request: "req-7",
+            num_tokens: case.num_tokens,
+            src: &src_all,
+            dst: &dst_rest,
+        };
+        let chunk = planner.plan(&chunk).expect("the chunk plans");
+        let rest = planner.plan(&rest).expect("the rest plans");
+        let whole = case.plan().expect("a valid request plans");
+        let (src_final, dst_init) = case.buffers();
+        let src_early = case.scratch_from(cut, &src_final);
+        let mut expected = dst_init.clone();
+        apply(&whole.runs, &src_final, &mut expected);
+        let mut chunked = dst_init;
+        apply(&chunk.runs, &src_early, &mut chunked);
+        apply(&rest.runs, &src_final, &mut chunked);
+        prop_assert_eq!(first_difference(&chunked, &expected), None);
     }
 
     /// Runs are disjoint on D, maximal (no two neighbours continue each other on both sides),

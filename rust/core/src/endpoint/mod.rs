@@ -769,7 +769,9 @@ impl Endpoint {
     /// happens: `ready` writes every region.
     ///
     /// Regions go in order from the first; a range that does not continue the ones streamed is
-    /// left to `ready`'s WRITE. `ready.ttl` is not used. An error means nothing was streamed;
+    /// left to `ready`'s WRITE. A prompt computed in chunks streams chunk by chunk: `ready` is
+    /// then its KV so far (its first `num_tokens` tokens, in the blocks holding them), and a
+    /// chunk's regions go once the previous chunk's all went. `ready.ttl` is not used. An error means nothing was streamed;
     /// the request's `ready` is unaffected. Never waits for the transfer.
     pub fn layers_ready(&self, ready: ReadyKv, regions: Range<usize>) -> Result<(), EndpointError> {
         self.shared.health().map_err(EndpointError::Unhealthy)?;

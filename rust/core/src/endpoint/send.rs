@@ -75,6 +75,15 @@ struct InFlight {
 /// P: a posted WRITE's id, bytes, runs and the agent written to (see `Sends::post`).
 type Posted = (WriteId, u64, u32, String);
 
+/// What one WRITE of a transfer writes (see `Sends::post`): the regions `regions` (layout
+/// order) of the tokens from `written` on.
+#[derive(Debug, Clone)]
+struct Span {
+    regions: Range<usize>,
+    /// Every region of the tokens before this one is in D already (0: none).
+    written: u64,
+}
+
 /// P: why a WRITE was not posted: the FAIL reason for D, the code and detail for P's event.
 type Refusal = (FailReason, Reason, String);
 
@@ -202,10 +211,10 @@ impl Sends {
             }
             return;
         }
-        let streamed = self.streamed(&key, epoch, &ready);
+        let streamed = self.streamed(&key, epoch, &ready, cx.layout.regions.len());
         let posted = streamed.and_then(|streamed| {
-            let regions = streamed.from..usize::MAX;
-            let posted = self.post(cx, &key, &registration, &ready, regions, Some(streamed));
+            let span = Span { regions: streamed.from..usize::MAX, written: streamed.written };
+            let posted = self.post(cx, &key, &registration, &ready, span, Some(streamed));
             posted.map(|(write, bytes, runs, agent)| {
                 let runs = runs.saturating_add(streamed.runs);
                 (write, bytes.saturating_add(streamed.bytes), runs, agent, streamed)
@@ -254,18 +263,19 @@ impl Sends {
         }
     }
 
-    /// Plans and posts a WRITE of the regions `regions` (its end clamped to the layouts'). With
-    /// `done`, the WRITE carries the request's DONE, whose bytes and runs count those streamed
-    /// before it (see `layers`); with `None` it notifies nobody (one layer of a stream). The
-    /// error says why not, for D (the FAIL's reason) and for P's event (its reason code and
-    /// detail).
+    /// Plans and posts a WRITE of `span`: its regions (the end clamped to the layouts') of the
+    /// tokens from its `written` on (from D's block holding the one before; 0: all).
+    /// With `done`, the WRITE carries the request's DONE, whose bytes and runs count those
+    /// streamed before it (see `layers`); with `None` it notifies nobody (one layer of a
+    /// stream, of the tokens `ready` holds: a chunk of the prompt, maybe). The error says why
+    /// not, for D (the FAIL's reason) and for P's event (its reason code and detail).
     fn post<T: Transport>(
         &mut self,
         cx: &mut Context<T>,
         key: &TransferKey,
         registration: &Registration,
         ready: &Ready,
-        regions: Range<usize>,
+        Span { regions, written }: Span,
         done: Option<Streamed>,
     ) -> Result<Posted, Refusal> {
         if let Some(reason) = cx.shared.dead.get() {
@@ -285,7 +295,7 @@ impl Sends {
             .as_ref()
             .map_err(|e| (FailReason::WriteError, Reason::WriteError, e.to_string()))?;
         let register = &registration.register;
-        if register.num_tokens > ready.kv.num_tokens {
+        if done.is_some() && register.num_tokens > ready.kv.num_tokens {
             return Err((
                 FailReason::Refused,
                 Reason::Refused,
@@ -306,12 +316,16 @@ impl Sends {
             .iter()
             .map(|g| BlockList { first_token: g.first_token, ids: &g.block_ids })
             .collect();
-        let request = PlanRequest {
-            request: &register.request_id,
-            num_tokens: register.num_tokens,
-            src: &src,
-            dst: &dst,
+        // A stream's chunk of the prompt writes its own tokens; what earlier chunks wrote is
+        // not written again, but for D's block holding the last of them.
+        let num_tokens = register.num_tokens.min(ready.kv.num_tokens);
+        let dst = if written > 0 || num_tokens < register.num_tokens {
+            planner.narrow_destination(&dst, written, num_tokens)
+        } else {
+            dst
         };
+        let request =
+            PlanRequest { request: &register.request_id, num_tokens, src: &src, dst: &dst };
         // Clamped to the layouts': a stream that took every region leaves an empty last WRITE.
         let end = regions.end.min(planner.region_count());
         let regions = regions.start.min(end)..end;

@@ -16,9 +16,17 @@
 //! Regions are streamed in order, from the first: a range that does not continue what was
 //! streamed (a layer reported twice or out of order) is left to the last WRITE. The request's
 //! WRITE (`Sends::write`) then starts at the first region not streamed, provided it writes into
-//! the registration streamed into (same epoch) from the same KV (same blocks, same tokens; the KV
-//! of one chunk of a longer prompt is not), and its DONE counts the streamed bytes: D hears one
-//! DONE, after every byte. Otherwise it writes every region.
+//! the registration streamed into (same epoch) from the same KV (same blocks, same tokens), and
+//! its DONE counts the streamed bytes: D hears one DONE, after every byte. Otherwise it writes
+//! every region.
+//!
+//! A prompt computed in chunks streams chunk by chunk: a chunk's KV is the prompt's tokens so
+//! far, and its WRITEs write the tokens D needs of it (`Planner::narrow_destination`). Once a
+//! chunk went whole (every region), the next one's first layer starts a new round from D's
+//! block holding the chunk's last token (P may have had only part of that block). The request's
+//! WRITE goes on from the last chunk streamed: its regions not streamed, or every region from
+//! the last chunk streamed whole. A chunk D needs nothing of (inside its prefix hit) counts as
+//! written; KV in other blocks (a prefill computed again) starts over.
 //!
 //! A streamed WRITE that fails, or cannot be posted (D's lease lapsed, its connection is gone),
 //! fails the transfer once the stream's other WRITEs are done: D hears a FAIL, and P's KV is
@@ -32,7 +40,7 @@ use std::time::Instant;
 
 use crate::clock::BootInstant;
 use crate::key::TransferKey;
-use crate::protocol::{FailReason, Message};
+use crate::protocol::{BlockGroup, FailReason, Message};
 use crate::rendezvous::{AfterStream, Cancelled, FenceReason, StreamStart};
 use crate::side_channel::PeerId;
 use crate::sync::lock;
@@ -42,7 +50,7 @@ use super::super::context::Context;
 use super::super::events::{Event, Outcome, Reason, Role, Timeline};
 use super::super::halves::{Ready, Registration};
 use super::super::Counters;
-use super::{release_slot, report_send, Refusal, Sends};
+use super::{release_slot, report_send, Refusal, Sends, Span};
 
 /// What was streamed into one registration of a transfer.
 #[derive(Debug)]
@@ -54,9 +62,12 @@ pub(in crate::endpoint) struct Stream {
     /// The registration's connection and request, for the replies once it is back in the table.
     peer: PeerId,
     request_id: String,
-    /// The KV streamed from.
+    /// The KV streamed from: the prompt's, or the part of it computed so far (a chunked prompt
+    /// streams chunk by chunk).
     kv: Arc<Ready>,
-    /// Regions `0..streamed` are written or being written.
+    /// Every region of the tokens before this one is in D (earlier chunks of the prompt).
+    written: u64,
+    /// Regions `0..streamed` of `kv`'s tokens from `written` on are written or being written.
     streamed: usize,
     in_flight: usize,
     /// What the stream's finished WRITEs moved.
@@ -76,6 +87,7 @@ impl Stream {
             peer: registration.peer,
             request_id: registration.register.request_id.clone(),
             kv: Arc::clone(kv),
+            written: 0,
             streamed: 0,
             in_flight: 0,
             bytes: 0,
@@ -90,6 +102,32 @@ impl Stream {
         std::ptr::eq(&*self.kv, kv)
             || (self.kv.kv.num_tokens == kv.kv.num_tokens && self.kv.kv.groups == kv.kv.groups)
     }
+
+    /// Whether `kv` continues the KV this stream wrote from: more tokens of the same prompt,
+    /// in the same blocks and more (a later chunk of it).
+    fn extended_by(&self, kv: &Ready) -> bool {
+        let (old, new) = (&self.kv.kv, &kv.kv);
+        new.num_tokens > old.num_tokens
+            && old.groups.len() == new.groups.len()
+            && old.groups.iter().zip(&new.groups).all(|(old, new)| {
+                old.first_token == new.first_token && new.block_ids.starts_with(&old.block_ids)
+            })
+    }
+
+    /// Where the next WRITE into this registration starts, if `kv` is the KV it writes: the
+    /// first region not streamed of the tokens from `written`, every region of the tokens from
+    /// the end of a chunk streamed whole, or (another KV) everything.
+    fn resume(&self, kv: &Ready, regions: usize) -> (usize, u64) {
+        if self.same_kv(kv) {
+            (self.streamed, self.written)
+        } else if self.extended_by(kv) && self.streamed >= regions {
+            (0, self.kv.kv.num_tokens)
+        } else if self.extended_by(kv) {
+            (0, self.written)
+        } else {
+            (0, 0)
+        }
+    }
 }
 
 /// Where the request's WRITE starts, and what its DONE counts besides its own runs.
@@ -97,6 +135,9 @@ impl Stream {
 pub(in crate::endpoint) struct Streamed {
     /// The first region the request's WRITE writes.
     pub(super) from: usize,
+    /// The tokens before this one are in D, every region of them (earlier chunks): the
+    /// request's WRITE starts at the block holding the one before.
+    pub(super) written: u64,
     /// Bytes the stream wrote.
     pub(super) bytes: u64,
     /// Runs the stream wrote.
@@ -165,22 +206,37 @@ impl Sends {
                 return;
             };
             let stream = match self.streams.remove(&key) {
-                Some(s) if s.epoch == epoch && s.same_kv(kv) => s,
+                Some(s) if s.epoch == epoch && (s.same_kv(kv) || s.extended_by(kv)) => s,
                 _ => Stream::new(epoch, &registration, kv),
             };
             let stream = self.streams.entry(key.clone()).or_insert(stream);
             stream.registration = Some(registration);
         }
         if let Some(stream) = self.streams.get_mut(&key) {
-            let fits = stream
-                .registration
-                .as_ref()
-                .is_some_and(|registration| registration.register.num_tokens <= kv.kv.num_tokens);
+            // The first layer of a later chunk, the earlier one streamed whole: go on from it.
+            if regions.start == 0 && stream.streamed >= count && stream.extended_by(kv) {
+                stream.written = stream.kv.kv.num_tokens;
+                stream.kv = Arc::clone(kv);
+                stream.streamed = 0;
+            }
             let continues = regions.start == stream.streamed && stream.same_kv(kv);
-            let registration =
-                (fits && continues && stream.failed.is_none()).then(|| stream.registration.take());
-            if let Some(Some(registration)) = registration {
-                self.post_layers(cx, &key, registration, kv, regions);
+            // D needs tokens of this KV in every group (or in none: a chunk inside D's prefix
+            // hit counts as written); a chunk D needs in some groups only goes with the rest.
+            let needed = stream.registration.as_ref().map_or((false, false), |registration| {
+                let groups = &registration.register.groups;
+                let needs = |g: &BlockGroup| g.first_token < kv.kv.num_tokens;
+                (groups.iter().all(needs), !groups.iter().any(needs))
+            });
+            if continues && stream.failed.is_none() {
+                match needed {
+                    (true, _) => {
+                        if let Some(registration) = stream.registration.take() {
+                            self.post_layers(cx, &key, registration, kv, regions);
+                        }
+                    }
+                    (false, true) => stream.streamed = regions.end,
+                    (false, false) => {}
+                }
             }
         }
         self.end_stream_if_idle(cx, &key);
@@ -196,7 +252,8 @@ impl Sends {
         regions: Range<usize>,
     ) {
         let end = regions.end;
-        let posted = self.post(cx, key, &registration, kv, regions, None);
+        let written = self.streams.get(key).map_or(0, |stream| stream.written);
+        let posted = self.post(cx, key, &registration, kv, Span { regions, written }, None);
         let Some(stream) = self.streams.get_mut(key) else { return };
         stream.registration = Some(registration);
         match posted {
@@ -374,6 +431,7 @@ impl Sends {
         key: &TransferKey,
         epoch: u64,
         ready: &Ready,
+        regions: usize,
     ) -> Result<Streamed, Refusal> {
         let current = self.streams.get(key).is_some_and(|s| s.registration.is_none());
         let Some(stream) = current.then(|| self.streams.remove(key)).flatten() else {
@@ -385,11 +443,10 @@ impl Sends {
         if let Some(refusal) = stream.failed {
             return Err(refusal);
         }
-        if !stream.same_kv(ready) {
-            return Ok(Streamed::default());
-        }
+        let (from, written) = stream.resume(ready, regions);
         Ok(Streamed {
-            from: stream.streamed,
+            from,
+            written,
             bytes: stream.bytes,
             runs: stream.runs,
             first_posted: stream.first_posted,
