@@ -25,6 +25,14 @@ class Pending:
         assert self.done.wait(10.0), "never completed"
 
 
+class Events(list[Pending]):
+    """Makes the gate's events, and keeps them for the test to complete."""
+
+    def __call__(self) -> Pending:
+        self.append(Pending())
+        return self[-1]
+
+
 class Written:
     def __init__(self) -> None:
         self.layers: list[tuple[list[str], int, int]] = []
@@ -55,14 +63,9 @@ def test_without_events_a_layer_goes_at_once() -> None:
 
 
 def test_a_layer_waits_for_its_event_and_the_forward_does_not() -> None:
-    events: list[Pending] = []
-
-    def event() -> Pending:
-        events.append(Pending())
-        return events[-1]
-
+    events = Events()
     written = Written()
-    gate = LayerGate(written, event)
+    gate = LayerGate(written, events)
     try:
         for layer in range(3):
             gate.layer_done([stream("a"), stream("b")], 2 * layer, 2 * layer + 2)
@@ -81,14 +84,9 @@ def test_a_layer_waits_for_its_event_and_the_forward_does_not() -> None:
 
 
 def test_a_layer_waiting_when_its_request_is_offered_whole_is_dropped() -> None:
-    events: list[Pending] = []
-
-    def event() -> Pending:
-        events.append(Pending())
-        return events[-1]
-
+    events = Events()
     written = Written()
-    gate = LayerGate(written, event)
+    gate = LayerGate(written, events)
     try:
         gate.layer_done([stream("a"), stream("b")], 0, 2)
         gate.layer_done([stream("a"), stream("b")], 2, 4)

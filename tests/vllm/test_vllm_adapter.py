@@ -384,6 +384,22 @@ def test_two_workers_move_a_request_through_scheduler_metadata() -> None:
 P_PARAMS = {"do_remote_decode": True, "transfer_id": "xfer-lw"}
 
 
+def registered_with_p(
+    p: PushWorker, d: PushWorker, d_blocks: list[int], p_sched: PushScheduler
+) -> None:
+    """D registers ``d-req`` (transfer ``xfer-lw``, 100 tokens) into ``d_blocks`` and its
+    registration reaches P's table; P's scheduler reads ``p-req``'s params."""
+    d_sched = PushScheduler()
+    p_port = int(p.endpoint.address.rsplit(":", 1)[1])
+    d_sched.allocated("d-req", {**D_PARAMS, "remote_port": p_port, "transfer_id": "xfer-lw"},
+                      [d_blocks], 0, 100, 100)  # fmt: skip
+    d.apply(d_sched.take_metadata())
+    deadline = time.monotonic() + 10.0
+    while p.endpoint.pending == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p_sched.external_tokens("p-req", P_PARAMS, 100, 0) == (0, False)
+
+
 def test_layers_stream_as_the_forward_runs_them_and_the_last_write_carries_the_rest() -> None:
     p_caches, d_caches = cpu_caches(3, 16, 32, seed=5), cpu_caches(3, 16, 32, seed=None)
     p = worker("prefill-lw", p_caches, 32, 0, layerwise="on")
@@ -397,17 +413,10 @@ def test_layers_stream_as_the_forward_runs_them_and_the_last_write_carries_the_r
         )
 
     try:
-        p_sched, d_sched = PushScheduler(layerwise="on"), PushScheduler()
-        p_port = int(p.endpoint.address.rsplit(":", 1)[1])
-        d_sched.allocated("d-req", {**D_PARAMS, "remote_port": p_port, "transfer_id": "xfer-lw"},
-                          [d_blocks], 0, 100, 100)  # fmt: skip
-        d.apply(d_sched.take_metadata())
-        deadline = time.monotonic() + 10.0
-        while p.endpoint.pending == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        # vLLM reads P's params when it schedules the request, then its prefill is computed
-        # whole in one step: the step's metadata names it, as its send will.
-        assert p_sched.external_tokens("p-req", P_PARAMS, 100, 0) == (0, False)
+        p_sched = PushScheduler(layerwise="on")
+        # D registers; vLLM reads P's params when it schedules the request, then its prefill is
+        # computed whole in one step: the step's metadata names it, as its send will.
+        registered_with_p(p, d, d_blocks, p_sched)
         p_sched.prefill_ends("p-req", [p_blocks], 100, 0, 100)
         p.apply(p_sched.take_metadata())
         p.save_layer("layers.0")
@@ -438,15 +447,7 @@ def test_a_chunked_prompt_streams_chunk_by_chunk_and_d_ends_with_the_final_kv() 
     p_blocks, d_blocks = [3, 8, 1, 12], [6, 3, 9, 0]
     try:
         p_sched = PushScheduler(groups=CacheGroups(block_size=32), layerwise="on")
-        d_sched = PushScheduler()
-        p_port = int(p.endpoint.address.rsplit(":", 1)[1])
-        d_sched.allocated("d-req", {**D_PARAMS, "remote_port": p_port, "transfer_id": "xfer-lw"},
-                          [d_blocks], 0, 100, 100)  # fmt: skip
-        d.apply(d_sched.take_metadata())
-        deadline = time.monotonic() + 10.0
-        while p.endpoint.pending == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert p_sched.external_tokens("p-req", P_PARAMS, 100, 0) == (0, False)
+        registered_with_p(p, d, d_blocks, p_sched)
 
         def step(blocks_added: list[int], computed: int, scheduled: int) -> None:
             if computed == 0:
@@ -529,15 +530,8 @@ def test_a_layer_queued_on_a_gpu_stream_goes_once_its_event_completed_never_afte
         return p.endpoint.stats()["streamed_writes"]
 
     try:
-        p_sched, d_sched = PushScheduler(layerwise="on"), PushScheduler()
-        p_port = int(p.endpoint.address.rsplit(":", 1)[1])
-        d_sched.allocated("d-req", {**D_PARAMS, "remote_port": p_port, "transfer_id": "xfer-lw"},
-                          [d_blocks], 0, 100, 100)  # fmt: skip
-        d.apply(d_sched.take_metadata())
-        deadline = time.monotonic() + 10.0
-        while p.endpoint.pending == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert p_sched.external_tokens("p-req", P_PARAMS, 100, 0) == (0, False)
+        p_sched = PushScheduler(layerwise="on")
+        registered_with_p(p, d, d_blocks, p_sched)
         p_sched.prefill_ends("p-req", [p_blocks], 100, 0, 100)
         p.apply(p_sched.take_metadata())
         for layer in range(3):
