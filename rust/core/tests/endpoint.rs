@@ -1538,6 +1538,28 @@ fn a_chunk_inside_d_s_prefix_hit_is_not_written() {
 }
 
 #[test]
+fn a_window_that_dropped_blocks_before_the_offer_keeps_what_streamed() {
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-lw-window-p");
+    let d = d_cache.endpoint("ep-lw-window-d");
+    // D keeps a window: it needs tokens 16..40 only.
+    d.expect(expectation(&p, "req-window", &[9, 11], 16, 40)).unwrap();
+    wait_for_registration(&p);
+    // P's forward streams its KV as the step began, every block listed...
+    let streamed = ready("req-window", &[3, 4, 6], 40);
+    p.layers_ready(streamed, 0..REGIONS as usize).unwrap();
+    let needed = region_bytes(REGIONS, 24);
+    assert!(eventually(|| streamed_posts(&p_cache) == needed), "{:?}", p_cache.posts());
+    // ... and offers it after its sliding window dropped block 3: the same tokens, in the
+    // same blocks. Nothing is written again.
+    let offered = ReadyKv { groups: group(16, &[4, 6]), ..ready("req-window", &[], 40) };
+    p.ready(offered).unwrap();
+    assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Done, .. }]));
+    assert_eq!(p_cache.posts(), [(needed, false), (0, true)], "{:?}", p_cache.posts());
+}
+
+#[test]
 fn layers_with_no_registration_or_other_kv_leave_the_whole_write_to_ready() {
     let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
     let d_cache = Cache::new(16, |_| 0);

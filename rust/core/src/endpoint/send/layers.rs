@@ -67,6 +67,8 @@ pub(in crate::endpoint) struct Stream {
     kv: Arc<Ready>,
     /// Every region of the tokens before this one is in D (earlier chunks of the prompt).
     written: u64,
+    /// P's tokens per block.
+    block_tokens: u64,
     /// Regions `0..streamed` of `kv`'s tokens from `written` on are written or being written.
     streamed: usize,
     in_flight: usize,
@@ -80,7 +82,7 @@ pub(in crate::endpoint) struct Stream {
 }
 
 impl Stream {
-    fn new(epoch: u64, registration: &Registration, kv: &Arc<Ready>) -> Self {
+    fn new(epoch: u64, registration: &Registration, kv: &Arc<Ready>, block_tokens: u64) -> Self {
         Self {
             epoch,
             registration: None,
@@ -88,6 +90,7 @@ impl Stream {
             request_id: registration.register.request_id.clone(),
             kv: Arc::clone(kv),
             written: 0,
+            block_tokens,
             streamed: 0,
             in_flight: 0,
             bytes: 0,
@@ -97,10 +100,22 @@ impl Stream {
         }
     }
 
-    /// Whether `kv` is the KV this stream wrote from: the same blocks for the same tokens.
+    /// Whether `kv` is the KV this stream wrote from: the same tokens, each in the same block.
+    /// A group of `kv` may start later, without the blocks before its start (a sliding window
+    /// drops those once the prefill ran): the tokens it holds are where they were.
     fn same_kv(&self, kv: &Ready) -> bool {
+        let (old, new) = (&self.kv.kv, &kv.kv);
         std::ptr::eq(&*self.kv, kv)
-            || (self.kv.kv.num_tokens == kv.kv.num_tokens && self.kv.kv.groups == kv.kv.groups)
+            || (old.num_tokens == new.num_tokens
+                && old.groups.len() == new.groups.len()
+                && old.groups.iter().zip(&new.groups).all(|(old, new)| {
+                    let Some(later) = new.first_token.checked_sub(old.first_token) else {
+                        return false;
+                    };
+                    let skip = usize::try_from(later / self.block_tokens).unwrap_or(usize::MAX);
+                    later % self.block_tokens == 0
+                        && old.block_ids.get(skip..) == Some(&new.block_ids[..])
+                }))
     }
 
     /// Whether `kv` continues the KV this stream wrote from: more tokens of the same prompt,
@@ -207,7 +222,7 @@ impl Sends {
             };
             let stream = match self.streams.remove(&key) {
                 Some(s) if s.epoch == epoch && (s.same_kv(kv) || s.extended_by(kv)) => s,
-                _ => Stream::new(epoch, &registration, kv),
+                _ => Stream::new(epoch, &registration, kv, cx.layout.block_tokens.into()),
             };
             let stream = self.streams.entry(key.clone()).or_insert(stream);
             stream.registration = Some(registration);
