@@ -674,6 +674,18 @@ def stall_param(transport: str, pause: str) -> Any:
     return pytest.param(transport, pause, id=f"{transport}-{pause}")
 
 
+def process_stop(pair: WritePair, pause: str, where: str = "") -> tuple[float, float | None, str]:
+    """How long P's process stops, ``shorter`` than its write horizon or ``longer`` (until
+    :data:`RESUME_AFTER_D` after D's first event); how long after D's first event the case
+    ends (None: at once); and the case's label (``where`` after what stopped)."""
+    if pause == "shorter":
+        seconds = PROCESS_PAUSES[pause]
+        return seconds, None, f"P stopped {seconds:.1f}s{where}"
+    seconds = write_bounds(pair).d + RESUME_AFTER_D
+    label = f"P stopped{where} until {RESUME_AFTER_D:.0f}s after D's first event"
+    return seconds, RESUME_AFTER_D, label
+
+
 @pytest.mark.parametrize(
     ("transport", "pause"),
     [
@@ -689,12 +701,7 @@ def test_p_stopped_mid_write_lands_nothing_after_ds_final_failure(
     """P's whole process stopped with its WRITE partly landed, then running again."""
     nixl_or_skip()
     with write_pair(transport) as pair:
-        if pause == "shorter":
-            seconds, end_after_d = PROCESS_PAUSES[pause], None
-            what = f"P stopped {seconds:.1f}s"
-        else:
-            seconds, end_after_d = write_bounds(pair).d + RESUME_AFTER_D, RESUME_AFTER_D
-            what = f"P stopped until {RESUME_AFTER_D:.0f}s after D's first event"
+        seconds, end_after_d, what = process_stop(pair, pause)
         with stop_mid_write(pair, what, lambda: ProcessPause(pair.p.pid, seconds)) as fault:
             assert_fenced_through(pair, fault, end_after_d)
 
@@ -732,12 +739,7 @@ def test_p_stopped_mid_stream_lands_nothing_after_ds_final_failure(
     partly landed (P's KV ready meanwhile), then running again: the same fence and bounds."""
     nixl_or_skip()
     with write_pair(transport) as pair:
-        if pause == "shorter":
-            seconds, end_after_d = PROCESS_PAUSES[pause], None
-            what = f"P stopped {seconds:.1f}s mid-stream"
-        else:
-            seconds, end_after_d = write_bounds(pair).d + RESUME_AFTER_D, RESUME_AFTER_D
-            what = f"P stopped mid-stream until {RESUME_AFTER_D:.0f}s after D's first event"
+        seconds, end_after_d, what = process_stop(pair, pause, " mid-stream")
         stop = lambda: ProcessPause(pair.p.pid, seconds)  # noqa: E731
         with stop_mid_write(pair, what, stop, streamed=True) as fault:
             assert_fenced_through(pair, fault, end_after_d)

@@ -5,32 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from kvpush.vllm._layers import LayerGate, Stream
-
-
-class Pending:
-    """A CUDA event stand-in: ``synchronize`` blocks until the test completes it."""
-
-    def __init__(self) -> None:
-        self.recorded = False
-        self.done = threading.Event()
-
-    def record(self) -> None:
-        self.recorded = True
-
-    def synchronize(self) -> None:
-        assert self.recorded, "waited on before it was recorded"
-        assert self.done.wait(10.0), "never completed"
-
-
-class Events(list[Pending]):
-    """Makes the gate's events, and keeps them for the test to complete."""
-
-    def __call__(self) -> Pending:
-        self.append(Pending())
-        return self[-1]
+from tests.support.layers import Events, Pending
 
 
 class Written:
@@ -49,6 +28,17 @@ class Written:
             return list(self.layers)
 
 
+@contextmanager
+def deferred_gate() -> Iterator[tuple[LayerGate, Events, Written]]:
+    """A gate whose layers wait for events the test completes; closed after the test."""
+    events, written = Events(), Written()
+    gate = LayerGate(written, events)
+    try:
+        yield gate, events, written
+    finally:
+        gate.close()
+
+
 def stream(request_id: str) -> Stream:
     return Stream(request_id, [[1, 2]], 32, None, None)
 
@@ -63,10 +53,7 @@ def test_without_events_a_layer_goes_at_once() -> None:
 
 
 def test_a_layer_waits_for_its_event_and_the_forward_does_not() -> None:
-    events = Events()
-    written = Written()
-    gate = LayerGate(written, events)
-    try:
+    with deferred_gate() as (gate, events, written):
         for layer in range(3):
             gate.layer_done([stream("a"), stream("b")], 2 * layer, 2 * layer + 2)
         assert [e.recorded for e in events] == [True] * 3
@@ -79,15 +66,10 @@ def test_a_layer_waits_for_its_event_and_the_forward_does_not() -> None:
         assert written.wait_for(2) == [(["a", "b"], 0, 2), (["a", "b"], 2, 4)]
         events[2].done.set()
         assert written.wait_for(3)[2] == (["a", "b"], 4, 6)
-    finally:
-        gate.close()
 
 
 def test_a_layer_waiting_when_its_request_is_offered_whole_is_dropped() -> None:
-    events = Events()
-    written = Written()
-    gate = LayerGate(written, events)
-    try:
+    with deferred_gate() as (gate, events, written):
         gate.layer_done([stream("a"), stream("b")], 0, 2)
         gate.layer_done([stream("a"), stream("b")], 2, 4)
         gate.close_stream("a")  # a's whole KV is offered: its layers must not follow
@@ -99,8 +81,6 @@ def test_a_layer_waiting_when_its_request_is_offered_whole_is_dropped() -> None:
         gate.layer_done([stream("a")], 0, 2)
         events[2].done.set()
         assert written.wait_for(3)[2] == (["a"], 0, 2)
-    finally:
-        gate.close()
 
 
 def test_an_event_that_fails_drops_its_layer_and_the_waiter_goes_on() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -26,6 +25,7 @@ from kvpush.vllm._layout import CacheGroups, Model, TensorView, layout_from_cach
 from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import PushWorker
 from kvpush.vllm.config import THREAD_CPUS_ENV, WorkerConfig, load_secret
+from tests.support.layers import Events
 
 HEADS, HEAD = 2, 4  # KV heads per rank, head size (float32)
 
@@ -384,6 +384,25 @@ def test_two_workers_move_a_request_through_scheduler_metadata() -> None:
 P_PARAMS = {"do_remote_decode": True, "transfer_id": "xfer-lw"}
 
 
+def layer_landed(
+    p_caches: list[np.ndarray],
+    d_caches: list[np.ndarray],
+    layer: int,
+    p_blocks: list[int],
+    d_blocks: list[int],
+) -> bool:
+    """Whether D's blocks hold P's of ``layer``, block for block."""
+    return all(
+        np.array_equal(p_caches[layer][pb], d_caches[layer][db])
+        for pb, db in zip(p_blocks, d_blocks, strict=True)
+    )
+
+
+def streamed_writes(p: PushWorker) -> int:
+    """Layer WRITEs P's endpoint posted."""
+    return p.endpoint.stats()["streamed_writes"]
+
+
 def registered_with_p(
     p: PushWorker, d: PushWorker, d_blocks: list[int], p_sched: PushScheduler
 ) -> None:
@@ -407,10 +426,7 @@ def test_layers_stream_as_the_forward_runs_them_and_the_last_write_carries_the_r
     p_blocks, d_blocks = [3, 8, 1, 12], [6, 3, 9, 0]
 
     def landed(layer: int) -> bool:
-        return all(
-            np.array_equal(p_caches[layer][pb], d_caches[layer][db])
-            for pb, db in zip(p_blocks, d_blocks, strict=True)
-        )
+        return layer_landed(p_caches, d_caches, layer, p_blocks, d_blocks)
 
     try:
         p_sched = PushScheduler(layerwise="on")
@@ -459,24 +475,21 @@ def test_a_chunked_prompt_streams_chunk_by_chunk_and_d_ends_with_the_final_kv() 
                 p.save_layer(f"layers.{layer}")
             p.end_forward()
 
-        def streamed() -> int:
-            return p.endpoint.stats()["streamed_writes"]
-
         # Chunk 1 computes tokens 0..40: block 8 holds 32..40 and, past them, scratch (blocks
         # move whole on CPU, so that scratch reaches D's block 3).
         for cache in p_caches:
             cache[8] = -1.0
         step([3, 8], 0, 40)
         deadline = time.monotonic() + 10.0
-        while streamed() < 1 and time.monotonic() < deadline:
+        while streamed_writes(p) < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         # Chunk 2 computes 40..80: block 8 is whole now, and block 1 holds 64..80.
         for cache, done in zip(p_caches, final, strict=True):
             cache[8] = done[8]
-        writes = streamed()
+        writes = streamed_writes(p)
         step([1], 40, 40)
         deadline = time.monotonic() + 10.0
-        while streamed() == writes and time.monotonic() < deadline:
+        while streamed_writes(p) == writes and time.monotonic() < deadline:
             time.sleep(0.01)
         assert d.take_finished()[1] == set(), "D heard of nothing yet"
         step([12], 80, 20)  # the last chunk
@@ -486,48 +499,23 @@ def test_a_chunked_prompt_streams_chunk_by_chunk_and_d_ends_with_the_final_kv() 
         for layer in range(2):
             for pb, db in zip(p_blocks, d_blocks, strict=True):
                 assert np.array_equal(final[layer][pb], d_caches[layer][db]), (layer, pb)
-        assert streamed() >= 2, "the first two chunks streamed (the last may go whole)"
+        assert streamed_writes(p) >= 2, "the first two chunks streamed (the last may go whole)"
     finally:
         p.close()
         d.close()
 
 
-class KernelsDone:
-    """A CUDA event stand-in (a GPU forward's layer): its ``synchronize`` returns once the test
-    says the layer's kernels completed."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-
-    def record(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        self.done.wait(10.0)
-
-
 def test_a_layer_queued_on_a_gpu_stream_goes_once_its_event_completed_never_after_the_offer() -> (
     None
 ):
-    events: list[KernelsDone] = []
-
-    def event() -> KernelsDone:
-        events.append(KernelsDone())
-        return events[-1]
-
+    events = Events()
     p_caches, d_caches = cpu_caches(3, 16, 32, seed=6), cpu_caches(3, 16, 32, seed=None)
-    p = worker("prefill-ev", p_caches, 32, 0, layerwise="on", layer_events=event)
+    p = worker("prefill-ev", p_caches, 32, 0, layerwise="on", layer_events=events)
     d = worker("decode-ev", d_caches, 32, 0)
     p_blocks, d_blocks = [3, 8, 1, 12], [6, 3, 9, 0]
 
     def landed(layer: int) -> bool:
-        return all(
-            np.array_equal(p_caches[layer][pb], d_caches[layer][db])
-            for pb, db in zip(p_blocks, d_blocks, strict=True)
-        )
-
-    def streamed() -> int:
-        return p.endpoint.stats()["streamed_writes"]
+        return layer_landed(p_caches, d_caches, layer, p_blocks, d_blocks)
 
     try:
         p_sched = PushScheduler(layerwise="on")
@@ -544,7 +532,7 @@ def test_a_layer_queued_on_a_gpu_stream_goes_once_its_event_completed_never_afte
         while not landed(0) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert landed(0)
-        assert streamed() == 1
+        assert streamed_writes(p) == 1
         # The request's whole KV is offered while layers 1 and 2 still wait: they are dropped
         # (the request's WRITE carries them), never handed over after the offer.
         p_sched.finished("p-req", P_PARAMS, True, [p_blocks], 100)
@@ -553,7 +541,7 @@ def test_a_layer_queued_on_a_gpu_stream_goes_once_its_event_completed_never_afte
         events[2].done.set()
         assert wait_finished(p, d) == ({"p-req"}, {"d-req"})
         assert all(landed(layer) for layer in range(3))
-        assert streamed() == 1
+        assert streamed_writes(p) == 1
     finally:
         p.close()
         d.close()
