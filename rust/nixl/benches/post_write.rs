@@ -117,24 +117,38 @@ impl Bench {
     /// Posts `case` one way; returns the time the post took, after driving the WRITE to its
     /// end (untimed).
     fn post(&mut self, case: &Case, prepared: bool) -> Duration {
-        let dram = MemorySpace::DRAM;
-        let tables = self.planner.block_tables().expect("tables");
         let start = Instant::now();
-        let write = if prepared {
-            let write = BlockWrite {
-                runs: &case.runs,
-                src_blocks: tables.0,
-                dst_blocks: tables.1,
-                src: case.blocks.src(),
-                dst: case.blocks.dst(),
-            };
-            self.a.post_block_write(&self.peer, black_box(&write), dram, dram, Some(b"done"))
-        } else {
-            self.a.post_write(&self.peer, black_box(&case.runs), dram, dram, Some(b"done"))
-        };
+        let write = self.post_runs(&case.runs, prepared.then_some(&case.blocks), true);
         let took = start.elapsed();
-        self.finish(write.expect("posted"));
+        self.finish(write, true);
         took
+    }
+
+    /// Posts `runs` to B, as block indices into the prepared lists when `blocks` are given,
+    /// with the DONE notification when `notify`.
+    fn post_runs(
+        &mut self,
+        runs: &[DescriptorRun],
+        blocks: Option<&BlockIndices>,
+        notify: bool,
+    ) -> WriteId {
+        let dram = MemorySpace::DRAM;
+        let notification = notify.then_some(&b"done"[..]);
+        match blocks {
+            Some(blocks) => {
+                let tables = self.planner.block_tables().expect("tables");
+                let write = BlockWrite {
+                    runs,
+                    src_blocks: tables.0,
+                    dst_blocks: tables.1,
+                    src: blocks.src(),
+                    dst: blocks.dst(),
+                };
+                self.a.post_block_write(&self.peer, black_box(&write), dram, dram, notification)
+            }
+            None => self.a.post_write(&self.peer, black_box(runs), dram, dram, notification),
+        }
+        .expect("posted")
     }
 
     /// The writer's work for one request, planned from its block lists as the writer plans
@@ -170,11 +184,7 @@ impl Bench {
             let start = Instant::now();
             let write = self.post_regions(&req, range, notify, prepared, &mut indices);
             took += start.elapsed();
-            if notify {
-                self.finish(write);
-            } else {
-                self.finish_silent(write);
-            }
+            self.finish(write, notify);
         }
         took
     }
@@ -187,37 +197,14 @@ impl Bench {
         prepared: bool,
         blocks: &mut BlockIndices,
     ) -> WriteId {
-        let dram = MemorySpace::DRAM;
-        let notification = notify.then_some(&b"done"[..]);
         let plan = self.planner.plan_regions(req, regions.clone()).expect("valid request");
-        let tables = self.planner.block_tables().expect("tables");
-        if prepared && self.planner.block_indices_of_regions_into(req, regions, blocks) {
-            let write = BlockWrite {
-                runs: &plan.runs,
-                src_blocks: tables.0,
-                dst_blocks: tables.1,
-                src: blocks.src(),
-                dst: blocks.dst(),
-            };
-            self.a.post_block_write(&self.peer, black_box(&write), dram, dram, notification)
-        } else {
-            self.a.post_write(&self.peer, black_box(&plan.runs), dram, dram, notification)
-        }
-        .expect("posted")
+        let given = prepared && self.planner.block_indices_of_regions_into(req, regions, blocks);
+        self.post_runs(&plan.runs, given.then_some(&*blocks), notify)
     }
 
-    /// Drives a WRITE without a notification to its end (D's agent progressed too: UCX over
-    /// loopback may need both sides to move).
-    fn finish_silent(&mut self, write: WriteId) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.a.poll_write(write).expect("poll_write") != WriteState::Done {
-            self.b.take_notifications(&mut self.notes).expect("take_notifications");
-            assert!(Instant::now() < deadline, "the WRITE did not finish");
-        }
-        assert!(self.notes.is_empty(), "a WRITE without a notification notified");
-    }
-
-    fn finish(&mut self, write: WriteId) {
+    /// Drives a WRITE to its end and, when it `notified`, to B's notification (B's agent is
+    /// progressed throughout: UCX over loopback may need both sides to move).
+    fn finish(&mut self, write: WriteId, notified: bool) {
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut done = false;
         loop {
@@ -225,7 +212,11 @@ impl Bench {
                 done = self.a.poll_write(write).expect("poll_write") == WriteState::Done;
             }
             self.b.take_notifications(&mut self.notes).expect("take_notifications");
-            if done && !self.notes.is_empty() {
+            if done && (!notified || !self.notes.is_empty()) {
+                assert!(
+                    notified || self.notes.is_empty(),
+                    "a WRITE without a notification notified"
+                );
                 self.notes.clear();
                 return;
             }
