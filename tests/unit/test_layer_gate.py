@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kvpush._native import LayerStreams
 from kvpush.vllm._layers import LayerGate, Stream
 from tests.support.layers import Events, Pending
 
@@ -17,9 +18,9 @@ class Written:
         self.layers: list[tuple[list[str], int, int]] = []
         self.changed = threading.Condition()
 
-    def __call__(self, streams: Sequence[Stream], start: int, end: int) -> None:
+    def __call__(self, streams: LayerStreams, start: int, end: int) -> None:
         with self.changed:
-            self.layers.append(([s.request_id for s in streams], start, end))
+            self.layers.append((streams.request_ids, start, end))
             self.changed.notify_all()
 
     def wait_for(self, count: int) -> list[tuple[list[str], int, int]]:
@@ -39,14 +40,14 @@ def deferred_gate() -> Iterator[tuple[LayerGate, Events, Written]]:
         gate.close()
 
 
-def stream(request_id: str) -> Stream:
-    return Stream(request_id, [[1, 2]], 32, None, None)
+def streams(*request_ids: str) -> LayerStreams:
+    return LayerStreams([Stream(r, [[1, 2]], 32, None, None) for r in request_ids])
 
 
 def test_without_events_a_layer_goes_at_once() -> None:
     written = Written()
     gate = LayerGate(written)
-    gate.layer_done([stream("a")], 0, 2)
+    gate.layer_done(streams("a"), 0, 2)
     assert written.layers == [(["a"], 0, 2)]
     assert not gate.deferred
     gate.close()
@@ -55,7 +56,7 @@ def test_without_events_a_layer_goes_at_once() -> None:
 def test_a_layer_waits_for_its_event_and_the_forward_does_not() -> None:
     with deferred_gate() as (gate, events, written):
         for layer in range(3):
-            gate.layer_done([stream("a"), stream("b")], 2 * layer, 2 * layer + 2)
+            gate.layer_done(streams("a", "b"), 2 * layer, 2 * layer + 2)
         assert [e.recorded for e in events] == [True] * 3
         time.sleep(0.05)
         assert written.layers == [], "no layer goes before its kernels completed"
@@ -70,15 +71,15 @@ def test_a_layer_waits_for_its_event_and_the_forward_does_not() -> None:
 
 def test_a_layer_waiting_when_its_request_is_offered_whole_is_dropped() -> None:
     with deferred_gate() as (gate, events, written):
-        gate.layer_done([stream("a"), stream("b")], 0, 2)
-        gate.layer_done([stream("a"), stream("b")], 2, 4)
+        gate.layer_done(streams("a", "b"), 0, 2)
+        gate.layer_done(streams("a", "b"), 2, 4)
         gate.close_stream("a")  # a's whole KV is offered: its layers must not follow
         events[0].done.set()
         events[1].done.set()
         assert written.wait_for(2) == [(["b"], 0, 2), (["b"], 2, 4)]
         # Once the waiter is past every layer queued before the close, the request is
         # forgotten: a later prefill of the same id (a recomputed request) streams again.
-        gate.layer_done([stream("a")], 0, 2)
+        gate.layer_done(streams("a"), 0, 2)
         events[2].done.set()
         assert written.wait_for(3)[2] == (["a"], 0, 2)
 
@@ -93,8 +94,8 @@ def test_an_event_that_fails_drops_its_layer_and_the_waiter_goes_on() -> None:
     written = Written()
     gate = LayerGate(written, lambda: next(made))
     try:
-        gate.layer_done([stream("a")], 0, 2)
-        gate.layer_done([stream("a")], 2, 4)
+        gate.layer_done(streams("a"), 0, 2)
+        gate.layer_done(streams("a"), 2, 4)
         second.done.set()
         assert written.wait_for(1) == [(["a"], 2, 4)]
     finally:
@@ -105,9 +106,9 @@ def test_close_hands_over_what_the_waiter_holds_then_takes_nothing() -> None:
     event = Pending()
     written = Written()
     gate = LayerGate(written, lambda: event)
-    gate.layer_done([stream("a")], 0, 2)
+    gate.layer_done(streams("a"), 0, 2)
     event.done.set()
     gate.close()
     assert written.layers == [(["a"], 0, 2)]
-    gate.layer_done([stream("a")], 2, 4)
+    gate.layer_done(streams("a"), 2, 4)
     assert written.layers == [(["a"], 0, 2)], "a closed gate takes no layer"

@@ -107,6 +107,34 @@ def test_abort_answers_with_a_member() -> None:
         assert endpoint.abort("req-abort") is kvpush.AbortOutcome.RELEASED
 
 
+def test_a_forward_s_streams_are_read_once_from_any_object_with_their_attributes() -> None:
+    from kvpush._native import LayerStreams
+    from kvpush.vllm._layers import Stream
+
+    # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on: typed as Any.
+    ids: Any = np.array([5, 6], dtype=np.int32)
+    streams = LayerStreams(
+        [
+            Stream("req-a", ((3, 4), (7,)), 20, None, (0, 16)),  # tuples, as vLLM's metadata
+            Stream("req-b", [ids], 32, "xfer-b", None),
+        ]
+    )
+    assert (len(streams), streams.request_ids) == (2, ["req-a", "req-b"])
+    assert streams.blocks() == [[[3, 4], [7]], [[5, 6]]]
+    assert streams.without({"req-a", "req-unknown"}).request_ids == ["req-b"]
+    assert streams.request_ids == ["req-a", "req-b"], "without leaves the streams as they were"
+    assert not LayerStreams()
+    assert not streams.without({"req-a", "req-b"})
+    with pytest.raises(ValueError, match="first_tokens has 1 entries but blocks has 2 groups"):
+        LayerStreams([Stream("req-c", [[1], [2]], 16, None, [0])])
+    with pytest.raises(AttributeError, match="request_id"):
+        LayerStreams([object()])  # type: ignore[list-item]
+    with loopback() as endpoint:
+        # No D registered: nothing to write, and nothing refused.
+        endpoint.streams_ready(streams, 0, 2)
+        endpoint.streams_ready(LayerStreams(), 0, 2)
+
+
 def test_options_are_checked_when_made_and_replace_checks_again() -> None:
     options = kvpush.EndpointOptions(transport="loopback", peer_timeout=2.0, secret=b"s3cret")
     assert options.transport == "loopback"

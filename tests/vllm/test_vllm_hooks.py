@@ -42,6 +42,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import kvpush
+from kvpush._native import LayerStreams
 from kvpush.exceptions import (
     ConfigError,
     KvPushError,
@@ -232,10 +233,13 @@ class EndpointDouble:
         self.calls.append(("ready", request_id, blocks))
         self._start("send", request_id)
 
-    def layers_ready(self, request_id: str, blocks: Any, num_tokens: int, *regions: int,
-                     **options: Any) -> None:  # fmt: skip
-        self.calls.append(("layers_ready", request_id, blocks))
-        error = self._behaviour(request_id).error
+    def streams_ready(self, streams: LayerStreams, start: int, end: int) -> None:
+        """One layer of every request streaming: recorded per request, as ``layers_ready``."""
+        errors = []
+        for request_id, blocks in zip(streams.request_ids, streams.blocks(), strict=True):
+            self.calls.append(("layers_ready", request_id, blocks))
+            errors.append(self._behaviour(request_id).error)
+        error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error
 

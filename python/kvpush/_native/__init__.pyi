@@ -2,7 +2,7 @@
 
 import builtins
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar, Literal, final
+from typing import Any, ClassVar, Literal, Protocol, final
 
 from typing_extensions import Buffer, Self, disjoint_base
 
@@ -21,6 +21,7 @@ __all__ = [
     "InvalidBlocksError",
     "KvLayout",
     "KvPushError",
+    "LayerStreams",
     "LayoutError",
     "MalformedMessageError",
     "MessageTooLargeError",
@@ -351,6 +352,34 @@ class EndpointOptions:
 _BlockIds = Sequence[int] | Buffer
 _Blocks = Sequence[_BlockIds] | _BlockIds
 
+class _Stream(Protocol):
+    """A request's KV as :meth:`Endpoint.layers_ready` takes it, as attributes."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def blocks(self) -> _Blocks: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def transfer_id(self) -> str | None: ...
+    @property
+    def first_tokens(self) -> Sequence[int] | None: ...
+
+@final
+class LayerStreams:
+    """Layer-wise push: the requests whose prefill one forward pass computes, read once, so
+    that each layer's :meth:`Endpoint.streams_ready` converts nothing."""
+
+    def __new__(cls, streams: Sequence[_Stream] = ...) -> Self: ...
+    @property
+    def request_ids(self) -> list[str]: ...
+    def blocks(self) -> list[list[list[int]]]:
+        """Each request's block ids per KV group, in order."""
+    def without(self, request_ids: builtins.set[str]) -> LayerStreams:
+        """These streams but those of ``request_ids``."""
+    def __len__(self) -> int: ...
+
 @disjoint_base
 class Endpoint:
     """A worker's push endpoint (use ``kvpush.Endpoint``, which finds NIXL's library).
@@ -403,6 +432,8 @@ class Endpoint:
         """Layer-wise push: regions ``start..end`` of the KV of the prompt's first
         ``num_tokens`` tokens (all of it, or the chunks computed so far) in ``blocks`` are
         final; written now where D registered."""
+    def streams_ready(self, streams: LayerStreams, start: int, end: int) -> None:
+        """Layer-wise push: :meth:`layers_ready` for every request of ``streams`` at once."""
     def abort(self, request_id: str, transfer_id: str | None = None) -> AbortOutcome:
         """Raises :class:`BusyError` when the writer is far behind: nothing was done."""
     def expect(

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvpush._native import LayerStreams
+
 logger = logging.getLogger("vllm.kvpush")
 
 #: How long :meth:`LayerGate.close` waits for the waiter to finish the layers it holds.
@@ -26,13 +28,14 @@ CLOSE_WAIT_S = 5.0
 
 @dataclass(frozen=True)
 class Stream:
-    """A prefill that ends in this step's forward, as ``Endpoint.layers_ready`` takes it."""
+    """A prefill that ends in this step's forward, as ``Endpoint.layers_ready`` takes it (the
+    worker reads the step's into one :class:`LayerStreams`)."""
 
     request_id: str
-    blocks: list[list[int]]
+    blocks: Sequence[Sequence[int]]
     num_tokens: int
     transfer_id: str | None
-    first_tokens: list[int] | None
+    first_tokens: Sequence[int] | None
 
 
 class Event(Protocol):
@@ -47,14 +50,14 @@ class Event(Protocol):
 
 #: Hands the layer whose regions are ``[start, end)`` of ``streams`` to the endpoint; never
 #: raises.
-Write = Callable[[Sequence[Stream], int, int], None]
+Write = Callable[[LayerStreams, int, int], None]
 
 
 @dataclass(frozen=True)
 class _Pending:
     seq: int
     event: Event
-    streams: Sequence[Stream]
+    streams: LayerStreams
     start: int
     end: int
 
@@ -91,7 +94,7 @@ class LayerGate:
         """Whether layers wait for an event (a GPU forward)."""
         return self._events is not None
 
-    def layer_done(self, streams: Sequence[Stream], start: int, end: int) -> None:
+    def layer_done(self, streams: LayerStreams, start: int, end: int) -> None:
         """The forward pass queued (GPU) or ran (CPU) the layer of ``streams`` whose regions are
         ``[start, end)``. Returns without waiting for its kernels or its transfer."""
         if self._events is None:
@@ -128,8 +131,10 @@ class LayerGate:
                 logger.exception("kvpush: a layer's CUDA event failed; its KV goes whole")
                 ready = False
             with self._lock:
-                streams = [s for s in item.streams if s.request_id not in self._closed]
-                if ready and streams:
+                streams = item.streams
+                if self._closed:
+                    streams = streams.without(set(self._closed))
+                if ready and len(streams):
                     self._write(streams, item.start, item.end)
                 self._handled = item.seq
                 self._closed = {r: last for r, last in self._closed.items() if last > item.seq}

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import IO
 
 import kvpush
+from kvpush._native import LayerStreams
 from kvpush.exceptions import (
     BusyError,
     KvPushError,
@@ -103,7 +104,7 @@ class PushWorker:
         #: step's streams as `layers_ready` takes them, and the gate that hands a layer over
         #: once its KV is final (see `save_layer`).
         self._layer_regions: dict[str, tuple[int, int]] = {}
-        self._streams: list[Stream] = []
+        self._streams = LayerStreams()
         self._layer_events = layer_events
         self._gate = LayerGate(self._stream_layer)
 
@@ -219,17 +220,7 @@ class PushWorker:
         alone is reported finished (a receive also failed) so vLLM frees or recomputes it."""
         self._idle_step = metadata.idle
         if self._layer_regions:
-            tokens = self._layout.tokens_to_write
-            self._streams = [
-                Stream(
-                    s.request_id,
-                    [list(group) for group in s.blocks],
-                    tokens(s.num_tokens),
-                    s.transfer_id,
-                    list(s.first_tokens) or None,
-                )
-                for s in metadata.streams
-            ]
+            self._streams = self._layer_streams(metadata.streams)
         for send in metadata.sends:
             self._ready(send)
         aborts, self._busy_aborts = [*self._busy_aborts, *metadata.aborts], []
@@ -250,6 +241,30 @@ class PushWorker:
                 len(self._busy_cancels),
             )
 
+    def _layer_streams(self, streams: Sequence[SendRequest]) -> LayerStreams:
+        """The step's streams, read into the native form once (each layer then hands them all
+        over in one call); none if they cannot be read, their WRITEs carrying every layer."""
+        tokens = self._layout.tokens_to_write
+        try:
+            return LayerStreams(
+                [
+                    Stream(
+                        s.request_id,
+                        s.blocks,
+                        tokens(s.num_tokens),
+                        s.transfer_id,
+                        s.first_tokens or None,
+                    )
+                    for s in streams
+                ]
+            )
+        except Exception:
+            logger.exception(
+                "kvpush: requests %s do not stream their layers (each WRITE carries them all)",
+                [s.request_id for s in streams],
+            )
+            return LayerStreams()
+
     def save_layer(self, layer_name: str) -> None:
         """P, layer-wise push: the forward pass ran ``layer_name`` (a GPU one queued its
         kernels): once its KV of the step's streams is final, the endpoint writes it where D
@@ -266,32 +281,23 @@ class PushWorker:
             # Nothing streamed: each request's WRITE carries this layer.
             logger.exception("kvpush: layer %s not streamed", layer_name)
 
-    def _stream_layer(self, streams: Sequence[Stream], start: int, end: int) -> None:
+    def _stream_layer(self, streams: LayerStreams, start: int, end: int) -> None:
         """Regions ``[start, end)`` of ``streams`` are final: the endpoint writes them."""
-        for stream in streams:
-            try:
-                self.endpoint.layers_ready(
-                    stream.request_id,
-                    stream.blocks,
-                    stream.num_tokens,
-                    start,
-                    end,
-                    transfer_id=stream.transfer_id,
-                    first_tokens=stream.first_tokens,
-                )
-            except Exception as error:
-                # Nothing streamed: the request's WRITE carries these regions.
-                logger.debug(
-                    "kvpush: request %s: regions %d..%d not streamed: %s",
-                    stream.request_id,
-                    start,
-                    end,
-                    error,
-                )
+        try:
+            self.endpoint.streams_ready(streams, start, end)
+        except Exception as error:
+            # Nothing streamed: each request's WRITE carries these regions.
+            logger.debug(
+                "kvpush: requests %s: regions %d..%d not streamed: %s",
+                streams.request_ids,
+                start,
+                end,
+                error,
+            )
 
     def end_forward(self) -> None:
         """The step's forward is over: its streams end."""
-        self._streams = []
+        self._streams = LayerStreams()
 
     def _ready(self, send: SendRequest) -> None:
         """P: the KV of a finished prefill may be written to D."""

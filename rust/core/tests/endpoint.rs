@@ -7,8 +7,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpush_core::endpoint::{
-    AbortOutcome, Endpoint, EndpointConfig, EndpointError, Event, Expectation, Outcome, ReadyKv,
-    Reason, Role,
+    AbortOutcome, Endpoint, EndpointConfig, EndpointError, Event, Expectation, LayerStreams,
+    Outcome, ReadyKv, Reason, Role,
 };
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::loopback::LoopbackTransport;
@@ -1476,6 +1476,46 @@ fn layers_queued_while_the_writer_is_busy_go_as_one_write() {
     assert_eq!(p.stats().streamed_writes, 1);
     drop((p, d));
     assert_only_written(&d_cache, &p_cache, &[(&[5, 9], &[3, 4])], 20);
+}
+
+#[test]
+fn a_forward_s_streams_reach_the_writer_in_one_call_per_layer_and_merge_per_request() {
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let gate = Gate::closed();
+    let p = p_cache.endpoint_stalled("ep-lw-many-p", &gate, |_| {});
+    let d = d_cache.endpoint("ep-lw-many-d");
+    d.expect(expectation(&p, "req-a", &[5, 9], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    d.expect(expectation(&p, "req-b", &[10, 11], 0, 20)).unwrap();
+    assert!(eventually(|| p.pending() == 2), "D's second registration did not reach P");
+    gate.wait_holding();
+    // One forward pass computes both prompts; its layers go while the writer is held.
+    let (a, b) = (ready("req-a", &[3, 4], 20), ready("req-b", &[6, 7], 20));
+    let streams = LayerStreams::new(vec![a.clone(), b.clone()]);
+    assert_eq!(
+        streams.iter().map(|kv| kv.request_id.as_str()).collect::<Vec<_>>(),
+        ["req-a", "req-b"]
+    );
+    for layer in 0..3 {
+        p.streams_ready(&streams, layer..layer + 1).unwrap();
+    }
+    // req-b was offered whole before its last layer's KV was final: that layer is its WRITE's.
+    p.streams_ready(&streams.without(|id| id == "req-b"), 3..4).unwrap();
+    gate.open();
+    let layer = region_bytes(1, 20);
+    let expected = [(4 * layer, false), (3 * layer, false)];
+    assert!(eventually(|| p_cache.posts() == expected), "{:?}", p_cache.posts());
+    p.ready(a).unwrap();
+    p.ready(b).unwrap();
+    assert_eq!(events(&d, 2).iter().filter(|e| e.outcome == Outcome::Done).count(), 2);
+    let mut sent = events(&p, 2);
+    sent.sort_by(|x, y| x.request_id.cmp(&y.request_id));
+    let counted: Vec<_> = sent.iter().map(|e| (e.bytes, e.streamed_bytes)).collect();
+    assert_eq!(counted, [(4 * layer, 4 * layer), (4 * layer, 3 * layer)]);
+    assert!(p.streams_ready(&LayerStreams::default(), 0..1).is_ok(), "no stream: nothing to do");
+    drop((p, d));
+    assert_only_written(&d_cache, &p_cache, &[(&[5, 9], &[3, 4]), (&[10, 11], &[6, 7])], 20);
 }
 
 /// Bytes of the WRITEs posted so far that notified nobody (layers of streams).

@@ -186,6 +186,19 @@ impl Endpoint {
         native(py, || self.0.layers_ready(ready, start..end).map_err(Error::from))
     }
 
+    /// P, layer-wise push: `layers_ready` for every request of `streams` at once (one call per
+    /// layer of a forward pass, however many requests it computes). An error means nothing was
+    /// streamed.
+    fn streams_ready(
+        &self,
+        py: Python<'_>,
+        streams: &LayerStreams,
+        start: usize,
+        end: usize,
+    ) -> PyResult<()> {
+        native(py, || self.0.streams_ready(&streams.0, start..end).map_err(Error::from))
+    }
+
     /// P: the request was aborted. Returns `AbortOutcome.RELEASED` (free the blocks),
     /// `IN_FLIGHT` (wait for its event) or `UNKNOWN`; raises `BusyError` when the writer is far
     /// behind (nothing was done: keep the blocks and abort again later).
@@ -319,6 +332,75 @@ impl Endpoint {
             self.0.address().to_string(),
             self.0.pending()
         )
+    }
+}
+
+/// P, layer-wise push: the requests whose prefill one forward pass computes, each as
+/// `Endpoint.layers_ready` takes it, read once (each layer's `Endpoint.streams_ready` then
+/// converts nothing).
+#[pyclass(module = "kvpush", frozen)]
+#[derive(Debug)]
+pub(crate) struct LayerStreams(core::LayerStreams);
+
+/// One request of a [`LayerStreams`], read from any object with these attributes.
+#[derive(FromPyObject)]
+struct StreamArg {
+    #[pyo3(attribute)]
+    request_id: String,
+    #[pyo3(attribute)]
+    blocks: Groups,
+    #[pyo3(attribute)]
+    num_tokens: u64,
+    #[pyo3(attribute)]
+    transfer_id: Option<String>,
+    #[pyo3(attribute)]
+    first_tokens: Option<Vec<u64>>,
+}
+
+#[pymethods]
+impl LayerStreams {
+    /// From objects with the attributes `request_id`, `blocks`, `num_tokens`, `transfer_id`
+    /// and `first_tokens`, as `Endpoint.layers_ready` takes them.
+    #[new]
+    #[pyo3(signature = (streams = Vec::new()))]
+    fn new(streams: Vec<StreamArg>) -> PyResult<Self> {
+        let kvs = streams
+            .into_iter()
+            .map(|s| {
+                Ok(ReadyKv {
+                    request_id: s.request_id,
+                    transfer_id: s.transfer_id,
+                    groups: groups(s.blocks, s.first_tokens)?,
+                    num_tokens: s.num_tokens,
+                    ttl: std::time::Duration::ZERO,
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(Self(core::LayerStreams::new(kvs)))
+    }
+
+    /// The requests' ids, in order.
+    #[getter]
+    fn request_ids(&self) -> Vec<String> {
+        self.0.iter().map(|kv| kv.request_id.clone()).collect()
+    }
+
+    /// Each request's block ids per KV group, in order.
+    fn blocks(&self) -> Vec<Vec<Vec<u32>>> {
+        self.0.iter().map(|kv| kv.groups.iter().map(|g| g.block_ids.clone()).collect()).collect()
+    }
+
+    /// These streams but those of `request_ids`.
+    fn without(&self, request_ids: std::collections::HashSet<String>) -> Self {
+        Self(self.0.without(|id| request_ids.contains(id)))
+    }
+
+    fn __len__(&self) -> usize {
+        self.0.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("LayerStreams({:?})", self.request_ids())
     }
 }
 

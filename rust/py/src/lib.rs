@@ -46,6 +46,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<planner::KvLayout>()?;
     m.add_class::<options::EndpointOptions>()?;
     m.add_class::<endpoint::Endpoint>()?;
+    m.add_class::<endpoint::LayerStreams>()?;
     m.add_class::<event::TransferEvent>()?;
     m.add_class::<event::Timeline>()?;
     m.add_class::<event::Role>()?;

@@ -11,7 +11,7 @@ use crate::rendezvous::Match;
 use crate::side_channel::{PeerId, PeerInfo, SideChannelError, TOO_MANY_CONNECTIONS};
 
 use super::halves::{Ready, Registration};
-use super::Expectation;
+use super::{Expectation, LayerStreams};
 
 /// What the writer is asked to do.
 #[derive(Debug)]
@@ -20,6 +20,8 @@ pub(crate) enum Command {
     Write(Match<Registration, Arc<Ready>>),
     /// P, layer-wise push: the KV of these regions is final; stream them where D registered.
     Layers { key: TransferKey, ready: Arc<Ready>, regions: Range<usize> },
+    /// P, layer-wise push: [`Command::Layers`] for each of these streams.
+    LayersOf { streams: LayerStreams, regions: Range<usize> },
     /// P: tell D its transfer will not happen.
     Fail { peer: PeerId, fail: Fail },
     /// P: D's cancel was applied; acknowledge it and report P's released KV, if any.
@@ -91,18 +93,36 @@ impl ConnectFailure {
 /// [`Command::Layers`], a command that continues an earlier one of the same transfer (from the
 /// same KV, its regions starting where that one's end) is folded into it, so those layers go
 /// as one WRITE rather than one each. Any other command ends the stretch: nothing is merged
-/// across it, and the commands keep their order otherwise.
+/// across it, and the commands keep their order otherwise. A [`Command::LayersOf`] counts as
+/// its streams' [`Command::Layers`], in order.
 pub(crate) fn coalesce_layers(commands: Vec<Command>) -> Vec<Command> {
-    let mut out: Vec<Command> = Vec::with_capacity(commands.len());
-    // Where the current stretch of layer commands starts in `out`.
-    let mut stretch = 0;
+    let mut merged = Coalesced { out: Vec::with_capacity(commands.len()), stretch: 0 };
     for command in commands {
+        match command {
+            Command::LayersOf { streams, regions } => {
+                streams.commands(&regions).for_each(|layers| merged.push(layers));
+            }
+            other => merged.push(other),
+        }
+    }
+    merged.out
+}
+
+/// The commands [`coalesce_layers`] keeps, as it goes.
+struct Coalesced {
+    out: Vec<Command>,
+    /// Where the current stretch of layer commands starts in `out`.
+    stretch: usize,
+}
+
+impl Coalesced {
+    fn push(&mut self, command: Command) {
         let Command::Layers { key, ready, regions } = &command else {
-            out.push(command);
-            stretch = out.len();
-            continue;
+            self.out.push(command);
+            self.stretch = self.out.len();
+            return;
         };
-        let earlier = out[stretch..].iter_mut().rev().find_map(|kept| match kept {
+        let earlier = self.out[self.stretch..].iter_mut().rev().find_map(|kept| match kept {
             Command::Layers { key: k, ready: r, regions: kept } if k == key => Some((r, kept)),
             _ => None,
         });
@@ -111,12 +131,11 @@ pub(crate) fn coalesce_layers(commands: Vec<Command>) -> Vec<Command> {
                 && kept_ready.kv.groups == ready.kv.groups;
             if same_kv && kept.end == regions.start {
                 kept.end = regions.end;
-                continue;
+                return;
             }
         }
-        out.push(command);
+        self.out.push(command);
     }
-    out
 }
 
 #[cfg(test)]
@@ -125,16 +144,20 @@ mod tests {
     use crate::endpoint::ReadyKv;
     use crate::protocol::BlockGroup;
 
-    fn layers(request: &str, tokens: u64, regions: Range<usize>) -> Command {
-        let kv = ReadyKv {
+    fn kv(request: &str, tokens: u64) -> ReadyKv {
+        ReadyKv {
             request_id: request.to_owned(),
             transfer_id: None,
             groups: vec![BlockGroup { first_token: 0, block_ids: vec![1, 2] }],
             num_tokens: tokens,
             ttl: std::time::Duration::from_secs(1),
-        };
+        }
+    }
+
+    fn layers(request: &str, tokens: u64, regions: Range<usize>) -> Command {
         let key = TransferKey::for_request(None, request);
-        Command::Layers { key, ready: Arc::new(Ready { kv, at: Instant::now() }), regions }
+        let ready = Arc::new(Ready { kv: kv(request, tokens), at: Instant::now() });
+        Command::Layers { key, ready, regions }
     }
 
     fn shape(commands: &[Command]) -> Vec<String> {
@@ -172,5 +195,20 @@ mod tests {
             layers("a", 48, 6..8), // another KV (a longer prompt)
         ];
         assert_eq!(shape(&coalesce_layers(commands)), ["a:0..2", "a:0..2", "a:4..6", "a:6..8"]);
+    }
+
+    #[test]
+    fn a_forward_s_streams_count_as_one_layer_command_each_in_order() {
+        let streams = LayerStreams::new(vec![kv("a", 32), kv("b", 32)]);
+        let commands = vec![
+            Command::LayersOf { streams: streams.clone(), regions: 0..2 },
+            Command::LayersOf { streams: streams.without(|id| id == "b"), regions: 2..4 },
+            layers("b", 32, 2..4),
+            Command::LayersOf { streams: LayerStreams::default(), regions: 4..6 },
+            Command::Stop,
+            Command::LayersOf { streams, regions: 4..6 },
+        ];
+        let merged = coalesce_layers(commands);
+        assert_eq!(shape(&merged), ["a:0..4", "b:0..4", "Stop", "a:4..6", "b:4..6"]);
     }
 }

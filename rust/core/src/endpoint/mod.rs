@@ -243,6 +243,57 @@ pub struct ReadyKv {
     pub ttl: Duration,
 }
 
+/// P, layer-wise push: the requests whose KV a forward pass computes, each as
+/// [`Endpoint::layers_ready`] takes it, prepared once per forward so that each layer hands them
+/// all to the writer in one call ([`Endpoint::streams_ready`]). Cloning shares them.
+#[derive(Debug, Clone, Default)]
+pub struct LayerStreams(Arc<[(TransferKey, Arc<halves::Ready>)]>);
+
+impl LayerStreams {
+    /// The streams of `kvs` (their `ttl` is not used).
+    pub fn new(kvs: Vec<ReadyKv>) -> Self {
+        let at = Instant::now();
+        Self(
+            kvs.into_iter()
+                .map(|kv| {
+                    let key = TransferKey::for_request(kv.transfer_id.as_deref(), &kv.request_id);
+                    (key, Arc::new(halves::Ready { kv, at }))
+                })
+                .collect(),
+        )
+    }
+
+    /// How many requests stream.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether none does.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Each request's KV, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &ReadyKv> {
+        self.0.iter().map(|(_, ready)| &ready.kv)
+    }
+
+    /// These streams but those of the requests `drop` names.
+    pub fn without(&self, drop: impl Fn(&str) -> bool) -> Self {
+        Self(self.0.iter().filter(|(_, ready)| !drop(&ready.kv.request_id)).cloned().collect())
+    }
+
+    /// One [`Command::Layers`] per stream, for the writer.
+    fn commands(&self, regions: &Range<usize>) -> impl Iterator<Item = Command> + '_ {
+        let regions = regions.clone();
+        self.0.iter().map(move |(key, ready)| Command::Layers {
+            key: key.clone(),
+            ready: Arc::clone(ready),
+            regions: regions.clone(),
+        })
+    }
+}
+
 /// D expects one request's KV from P.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expectation {
@@ -779,6 +830,27 @@ impl Endpoint {
         let key = TransferKey::for_request(ready.transfer_id.as_deref(), &ready.request_id);
         let ready = Arc::new(halves::Ready { kv: ready, at: self.shared.now() });
         if !self.shared.send(Command::Layers { key, ready, regions }) {
+            return Err(EndpointError::Closed);
+        }
+        Ok(())
+    }
+
+    /// P, layer-wise push, every request of a forward pass at once: [`layers_ready`] for each of
+    /// `streams` (made once per forward with [`LayerStreams::new`]), in one call and one command
+    /// to the writer, however many requests stream. An error means nothing was streamed.
+    ///
+    /// [`layers_ready`]: Self::layers_ready
+    pub fn streams_ready(
+        &self,
+        streams: &LayerStreams,
+        regions: Range<usize>,
+    ) -> Result<(), EndpointError> {
+        if streams.is_empty() {
+            return Ok(());
+        }
+        self.shared.health().map_err(EndpointError::Unhealthy)?;
+        self.shared.admit()?;
+        if !self.shared.send(Command::LayersOf { streams: streams.clone(), regions }) {
             return Err(EndpointError::Closed);
         }
         Ok(())

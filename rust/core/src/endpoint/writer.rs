@@ -215,6 +215,12 @@ impl<T: Transport> Writer<T> {
             Command::Layers { key, ready, regions } => {
                 self.sends.stream_layers(&mut self.cx, key, &ready, regions);
             }
+            // `step` unpacked these (`coalesce_layers`); one that did not pass there still goes.
+            Command::LayersOf { streams, regions } => {
+                for layers in streams.commands(&regions) {
+                    self.handle(layers);
+                }
+            }
             Command::Fail { peer, fail } => self.cx.send(peer, Message::Fail(fail)),
             Command::AcknowledgeCancel { peer, cancel, released } => {
                 send::acknowledge_cancel(&mut self.cx, peer, cancel, released);
@@ -347,7 +353,7 @@ impl<T: Transport> Writer<T> {
                 ),
                 Command::Write(m) => send::refuse_match(&mut self.cx, m, "the endpoint closed"),
                 // Nothing streamed: the request's WRITE is refused as it comes.
-                Command::Layers { .. } => {}
+                Command::Layers { .. } | Command::LayersOf { .. } => {}
                 Command::Fail { peer, fail } => self.cx.send(peer, Message::Fail(fail)),
                 Command::AcknowledgeCancel { peer, cancel, released } => {
                     send::acknowledge_cancel(&mut self.cx, peer, cancel, released);
