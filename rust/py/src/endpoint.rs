@@ -1,6 +1,8 @@
 //! `Endpoint`: a worker's push endpoint as Python sees it (`kvpush.Endpoint` adds what needs
 //! Python: finding NIXL's library, logging at `__exit__`).
 
+use std::time::Duration;
+
 use kvpush_core::endpoint::{self as core, EndpointConfig, Event, Expectation, ReadyKv, Share};
 use kvpush_core::loopback::LoopbackTransport;
 use kvpush_core::protocol::BlockGroup;
@@ -34,6 +36,18 @@ fn groups(blocks: Groups, first_tokens: Option<Vec<u64>>) -> PyResult<Vec<BlockG
         .zip(firsts)
         .map(|(block_ids, first_token)| BlockGroup { first_token, block_ids })
         .collect())
+}
+
+/// P's KV of one request as Python gives it (`ttl` counts for `ready` only).
+fn ready_kv(
+    request_id: String,
+    transfer_id: Option<String>,
+    blocks: Groups,
+    first_tokens: Option<Vec<u64>>,
+    num_tokens: u64,
+    ttl: Duration,
+) -> PyResult<ReadyKv> {
+    Ok(ReadyKv { request_id, transfer_id, groups: groups(blocks, first_tokens)?, num_tokens, ttl })
 }
 
 /// 32 bits no other endpoint of this process, nor likely of any other, picks.
@@ -147,13 +161,8 @@ impl Endpoint {
         first_tokens: Option<Vec<u64>>,
         ttl: f64,
     ) -> PyResult<()> {
-        let ready = ReadyKv {
-            request_id,
-            transfer_id,
-            groups: groups(blocks, first_tokens)?,
-            num_tokens,
-            ttl: seconds(ttl, "ttl")?,
-        };
+        let ttl = seconds(ttl, "ttl")?;
+        let ready = ready_kv(request_id, transfer_id, blocks, first_tokens, num_tokens, ttl)?;
         native(py, || self.0.ready(ready).map_err(Error::from))
     }
 
@@ -176,13 +185,8 @@ impl Endpoint {
         transfer_id: Option<String>,
         first_tokens: Option<Vec<u64>>,
     ) -> PyResult<()> {
-        let ready = ReadyKv {
-            request_id,
-            transfer_id,
-            groups: groups(blocks, first_tokens)?,
-            num_tokens,
-            ttl: std::time::Duration::ZERO,
-        };
+        let ready =
+            ready_kv(request_id, transfer_id, blocks, first_tokens, num_tokens, Duration::ZERO)?;
         native(py, || self.0.layers_ready(ready, start..end).map_err(Error::from))
     }
 
@@ -367,13 +371,8 @@ impl LayerStreams {
         let kvs = streams
             .into_iter()
             .map(|s| {
-                Ok(ReadyKv {
-                    request_id: s.request_id,
-                    transfer_id: s.transfer_id,
-                    groups: groups(s.blocks, s.first_tokens)?,
-                    num_tokens: s.num_tokens,
-                    ttl: std::time::Duration::ZERO,
-                })
+                let ttl = Duration::ZERO;
+                ready_kv(s.request_id, s.transfer_id, s.blocks, s.first_tokens, s.num_tokens, ttl)
             })
             .collect::<PyResult<Vec<_>>>()?;
         Ok(Self(core::LayerStreams::new(kvs)))
