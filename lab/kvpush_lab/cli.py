@@ -103,6 +103,7 @@ def add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         core,
         engine,
         idle,
+        layers,
         scale,
         serving,
         suite,
@@ -125,6 +126,7 @@ def add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         ("scale", scale, "one P under 1-1,024 D peers, and P restarting under all of them"),
         ("control", control, "P's per-request control path and matching: kvpush vs vLLM's code"),
         ("engine", engine, "connector time per engine step on vLLM's scheduler, 1-512 in flight"),
+        ("layers", layers, "P's engine-thread time per forward handing layers to the writer"),
         ("serving", serving, "kvpush vs vLLM's NixlPushConnector and NixlConnector, real servers"),
         ("client", client, "vllm bench serve: P/D pairs behind kvpush proxy, aggregated floors"),
     ):

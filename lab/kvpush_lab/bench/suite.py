@@ -6,6 +6,7 @@ The steps, in order (cheap and self-contained first, the vLLM servers last):
 * ``core``: the Rust core's criterion benches (planner; rendezvous table vs ``Mutex<HashMap>``);
 * ``control``: P's per-request control path and matching under load, kvpush vs vLLM's code;
 * ``engine``: the connectors' time per engine step on vLLM's real scheduler, 1 to 512 in flight;
+* ``layers``: P's engine-thread time per forward handing layers to the writer (layer-wise push);
 * ``idle``: an idle, warm P+D pair's CPU, kvpush endpoints vs NIXL agents;
 * ``scale``: one P under 1, 256 and 1,024 D peers (threads, fds, memory, idle CPU, match
   latency) and P restarting under all of them;
@@ -35,6 +36,7 @@ STEPS = (
     "core",
     "control",
     "engine",
+    "layers",
     "idle",
     "scale",
     "transfer",
@@ -62,6 +64,14 @@ def _engine(doc: Path, quick: bool) -> int:
     parser = argparse.ArgumentParser()
     engine.add_arguments(parser)
     return engine.main(parser.parse_args(["--markdown", str(doc), *(["--quick"] if quick else [])]))
+
+
+def _layers(doc: Path, quick: bool) -> int:
+    from kvpush_lab.bench import layers
+
+    parser = argparse.ArgumentParser()
+    layers.add_arguments(parser)
+    return layers.main(parser.parse_args(["--markdown", str(doc), *(["--quick"] if quick else [])]))
 
 
 def _idle(doc: Path, quick: bool) -> int:
@@ -120,6 +130,7 @@ RUNNERS: dict[str, Callable[[Path, bool], int]] = {
     "core": _core,
     "control": _control,
     "engine": _engine,
+    "layers": _layers,
     "idle": _idle,
     "scale": _scale,
     "transfer": _transfer,
