@@ -602,8 +602,14 @@ class SpawnedThreadRunsFirst(_Tracer):
         self.seconds = seconds
         self.spawned: int | None = None
         self._then = then
+        self._seized = threading.Event()
         self._thread.start()
-        # The spawner is only watched until it spawns: nothing is stopped yet.
+        # Returns once the spawner is watched, so that a spawn the caller sets off next is seen
+        # (a tracer thread slow to start on a loaded host would miss it); or once that failed
+        # (``result`` says why). The spawner is only watched until it spawns: nothing is stopped.
+        if not wait_for(lambda: self._seized.is_set() or self._done.is_set(), 5.0, 0.001):
+            self.end()
+            raise TimeoutError(f"{self._thread.name} did not start watching thread {self.tid}")
         self.started = time.monotonic()
 
     def _gone(self, tid: int) -> bool:
@@ -622,6 +628,7 @@ class SpawnedThreadRunsFirst(_Tracer):
 
     def _trace(self) -> None:
         _ptrace(PTRACE_SEIZE, self.tid, PTRACE_O_TRACECLONE)
+        self._seized.set()
         withheld = 0
         try:
             deadline = time.monotonic() + self.seconds
