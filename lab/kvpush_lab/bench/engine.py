@@ -258,10 +258,17 @@ def _scheduler(model: Path, connector: str, in_flight: int, extra: dict[str, Any
 # ---- kvpush's worker role and its P ----------------------------------------------------------
 
 
-def _caches(blocks: int) -> Any:
+def layer_names(layers: int) -> list[str]:
+    """Attention layers' names as vLLM gives them to ``save_kv_layer``."""
+    return [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+
+
+def caches(blocks: int, layers: int = 1) -> tuple[list[Any], list[Any], Any]:
+    """``layers`` KV cache tensors of ``blocks`` blocks each, as vLLM's CPU backend lays them
+    out: the arrays (keep them while a worker uses them), their views, and the model they fit."""
     from kvpush.vllm._layout import Model, TensorView
 
-    arrays = [np.zeros((blocks, HEADS, BLOCK, 2 * HEAD), np.float32)]
+    arrays = [np.zeros((blocks, HEADS, BLOCK, 2 * HEAD), np.float32) for _ in range(layers)]
     views = [
         TensorView(a.ctypes.data, a.shape, tuple(s // a.itemsize for s in a.strides), a.itemsize)
         for a in arrays
@@ -269,12 +276,14 @@ def _caches(blocks: int) -> Any:
     return arrays, views, Model(HEADS, HEAD, BLOCK)
 
 
-def _push_worker(engine: str, blocks: int, idle_wait: float) -> tuple[PushWorker, Any]:
-    """A registered kvpush worker, and the arrays it registered (keep them while it lives)."""
+def push_worker(
+    engine: str, views: list[Any], model: Any, *, idle_wait: float = 0.0, layerwise: str = "off"
+) -> PushWorker:
+    """A kvpush worker registered over ``views``, one layer each (named by :func:`layer_names`),
+    on the loopback transport."""
     from kvpush.vllm._worker import PushWorker
     from kvpush.vllm.config import WorkerConfig
 
-    arrays, views, model = _caches(blocks)
     config = WorkerConfig(
         engine_id=engine,
         side_channel_host="127.0.0.1",
@@ -286,10 +295,17 @@ def _push_worker(engine: str, blocks: int, idle_wait: float) -> tuple[PushWorker
         transport="loopback",
         model_fingerprint="engine-bench",
         idle_wait=idle_wait,
+        layerwise=layerwise,
     )
     worker = PushWorker(config, model)
-    worker.register(views)
-    return worker, arrays
+    worker.register(views, layers={name: i for i, name in enumerate(layer_names(len(views)))})
+    return worker
+
+
+def _push_worker(engine: str, blocks: int, idle_wait: float) -> tuple[PushWorker, Any]:
+    """A registered kvpush worker of one layer, and the arrays it registered."""
+    arrays, views, model = caches(blocks)
+    return push_worker(engine, views, model, idle_wait=idle_wait), arrays
 
 
 def worker_connector(vllm_config: Any, worker: Any) -> Any:

@@ -33,11 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush_lab.bench import report
+from kvpush_lab.bench import engine, report
 
 SECTION = "Layer-wise push: P's engine-thread bill per forward"
-BLOCK_TOKENS = 16
-HEADS, HEAD_SIZE = 2, 64
+BLOCK_TOKENS = engine.BLOCK
 
 
 @dataclass
@@ -66,45 +65,15 @@ class _Refusals(logging.Handler):
             self.layers += len(args[0])
 
 
-def _caches(layers: int, blocks: int) -> tuple[list[Any], list[Any]]:
-    import numpy as np
-
-    from kvpush.vllm._layout import TensorView
-
-    shape = (2, blocks, BLOCK_TOKENS, HEADS, HEAD_SIZE)
-    arrays = [np.zeros(shape, np.float16) for _ in range(layers)]
-    views = [
-        TensorView(a.ctypes.data, a.shape, tuple(s // a.itemsize for s in a.strides), a.itemsize)
-        for a in arrays
-    ]
-    return arrays, views
-
-
 def _worker(layers: int, blocks: int) -> tuple[Any, list[str], list[tuple[int, int]], list[Any]]:
     """The connector's worker over ``layers`` layers, their names, each one's regions, and the
     arrays (kept alive until the worker closes)."""
-    from kvpush.vllm._layout import Model, layout_from_caches
-    from kvpush.vllm._worker import PushWorker
-    from kvpush.vllm.config import WorkerConfig
+    from kvpush.vllm._layout import layout_from_caches
 
-    config = WorkerConfig(
-        engine_id="bench-layers-p",
-        side_channel_host="127.0.0.1",
-        side_channel_port=0,
-        secret=None,
-        insecure=False,
-        ttl=30.0,
-        receive_timeout=30.0,
-        transport="loopback",
-        model_fingerprint="bench-layers",
-        layerwise="on",
-    )
-    model = Model(HEADS, HEAD_SIZE, BLOCK_TOKENS)
-    worker = PushWorker(config, model)
-    arrays, views = _caches(layers, blocks)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    worker.register(views, layers={name: i for i, name in enumerate(names)})
-    return worker, names, list(layout_from_caches(views, model).layer_regions), arrays
+    arrays, views, model = engine.caches(blocks, layers)
+    worker = engine.push_worker("bench-layers-p", views, model, layerwise="on")
+    regions = list(layout_from_caches(views, model).layer_regions)
+    return worker, engine.layer_names(layers), regions, arrays
 
 
 def _sends(requests: int, prompt_tokens: int, forward: int) -> list[Any]:
