@@ -101,8 +101,8 @@ class PushWorker:
         #: clock reads on a busy machine can be tens of ms apart, which would skew timelines.
         self._clock_offset = 0.0
         #: Layer-wise push: each moved layer's regions (empty: layers do not stream here), the
-        #: step's streams as `layers_ready` takes them, and the gate that hands a layer over
-        #: once its KV is final (see `save_layer`).
+        #: step's streams (read once per step, see `_layer_streams`), and the gate that hands a
+        #: layer over once its KV is final (see `save_layer`).
         self._layer_regions: dict[str, tuple[int, int]] = {}
         self._streams = LayerStreams()
         self._layer_events = layer_events
