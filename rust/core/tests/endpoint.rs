@@ -1479,6 +1479,36 @@ fn layers_queued_while_the_writer_is_busy_go_as_one_write() {
 }
 
 #[test]
+fn a_kv_refused_while_its_layer_waits_in_the_writer_s_inbox_is_never_read() {
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let gate = Gate::closed();
+    let p = p_cache.endpoint_stalled("ep-lw-refused-p", &gate, |c| c.inbox_capacity = 2);
+    let d = d_cache.endpoint("ep-lw-refused-d");
+    d.expect(expectation(&p, "req-refused", &[5, 9], 0, 20)).unwrap();
+    wait_for_registration(&p);
+    gate.wait_holding();
+    // The writer is held in a transport call: the layer waits in its inbox behind D's
+    // handshake, which is then full, so P's KV is refused and P's engine frees its blocks.
+    let kv = ready("req-refused", &[3, 4], 20);
+    p.layers_ready(kv.clone(), 0..1).unwrap();
+    let busy = p.ready(kv).unwrap_err();
+    assert!(matches!(busy, EndpointError::Busy { .. }), "{busy}");
+    gate.open();
+    // The layer never reads those blocks, and D hears that P will not send.
+    let received = events(&d, 1);
+    assert!(
+        matches!(&received[..], [Event { outcome: Outcome::Failed(reason), .. }] if reason.contains("could not send")),
+        "{received:?}"
+    );
+    assert_eq!(reason_of(&received[0]), Some(Reason::Aborted));
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(p_cache.posts(), [], "a WRITE read blocks P's engine freed");
+    drop((p, d));
+    assert!(d_cache.memory.iter().all(|&b| b == 0), "nothing was written");
+}
+
+#[test]
 fn a_forward_s_streams_reach_the_writer_in_one_call_per_layer_and_merge_per_request() {
     let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
     let d_cache = Cache::new(16, |_| 0);
@@ -1648,9 +1678,45 @@ fn a_cancel_during_a_stream_waits_for_the_layer_s_write() {
         "{sent:?}"
     );
     assert_eq!(p.stats().quarantined_writes, 1);
-    assert!(p.ready(ready("req-lw-stuck", &[3, 4], 20)).is_err(), "the transfer was cancelled");
+    // P's KV is held, not refused: the layer's WRITE still reads P's blocks, which P's engine
+    // frees on a refusal. Its send ends (cancelled) only once that WRITE is done.
+    p.ready(ready("req-lw-stuck", &[3, 4], 20)).unwrap();
     std::thread::sleep(Duration::from_millis(400));
-    assert!(p.poll().is_empty(), "one notice");
+    assert!(p.poll().is_empty(), "one notice, and no end while the WRITE is stuck");
+}
+
+#[test]
+fn a_prefill_aborted_mid_stream_fails_d_s_receive_once_the_layer_s_write_is_done() {
+    let p_cache = Cache::new(16, |_| 9);
+    let d_cache = Cache::new(16, |_| 0);
+    let p =
+        p_cache.endpoint_with("ep-lw-p6", Fault::SlowWrites(Duration::from_millis(300)), |_| {});
+    let d = d_cache.endpoint("ep-lw-d6");
+    // D waits far longer than the test: only P's word can end its receive in time.
+    let mut e = expectation(&p, "req-lw-abort", &[1, 2], 0, 20);
+    e.ttl = Duration::from_secs(60);
+    d.expect(e).unwrap();
+    wait_for_registration(&p);
+    p.layers_ready(ready("req-lw-abort", &[3, 4], 20), 0..1).unwrap();
+    assert!(eventually(|| p.stats().streamed_writes == 1));
+    // The layer's WRITE still reads P's blocks: the abort waits for it.
+    assert_eq!(p.abort("req-lw-abort", None).unwrap(), AbortOutcome::InFlight);
+    let received = events(&d, 1);
+    assert!(
+        matches!(&received[..], [Event { outcome: Outcome::Failed(reason), .. }] if reason.contains("aborted")),
+        "{received:?}"
+    );
+    assert_eq!(reason_of(&received[0]), Some(Reason::Aborted));
+    // P: the send's event, as the abort's `InFlight` promised: only now may P free the blocks.
+    let sent = events(&p, 1);
+    assert!(
+        matches!(&sent[..], [Event { outcome: Outcome::Cancelled(_), request_id, .. }] if request_id == "req-lw-abort"),
+        "{sent:?}"
+    );
+    assert_eq!(reason_of(&sent[0]), Some(Reason::Aborted));
+    assert_eq!(p_cache.posts().len(), 1, "nothing written after the layer");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(d.poll().is_empty() && p.poll().is_empty(), "one end per side");
 }
 
 #[test]

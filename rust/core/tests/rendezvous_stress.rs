@@ -166,6 +166,8 @@ struct Life {
     ack_owed: bool,
     /// That cancel covered the whole transfer.
     cancelled: bool,
+    /// P's abort (a cancel without an epoch) arrived during a stream.
+    aborted: bool,
 }
 
 impl Life {
@@ -183,6 +185,7 @@ impl Life {
             writing: None,
             ack_owed: false,
             cancelled: false,
+            aborted: false,
         }
     }
 
@@ -422,19 +425,18 @@ impl Sim {
             assert_eq!(answer, Err(RendezvousError::DuplicateReady { key }));
             return;
         }
-        if life.cancelled {
-            // A cancel deferred by a stream: P's KV is refused at once.
-            let reason = FenceReason::Cancelled;
-            assert_eq!(answer, Err(RendezvousError::Fenced { key, reason }));
-            self.took("ready refused after a cancel during a stream");
-            return;
-        }
         life.ready = Some(deadline);
         life.ready_due = deadline;
         if life.streaming.is_some() {
-            // Held until the stream's WRITEs are done.
+            // Held until the stream's WRITEs are done, which still read P's blocks: also after
+            // a cancel the stream deferred (P's KV then ends with it).
             assert_eq!(answer, Ok(Arrival::Waiting { superseded: None }));
-            self.took("ready during a stream");
+            let cancelled = life.cancelled;
+            self.took(if cancelled {
+                "ready held after a cancel during a stream"
+            } else {
+                "ready during a stream"
+            });
             return;
         }
         if life.registration.is_none() {
@@ -505,6 +507,7 @@ impl Sim {
         let clock = self.clock;
         let life = &mut self.live[slot].1;
         assert_eq!(ended.cancel_acknowledged, life.ack_owed);
+        assert_eq!(ended.aborted, life.aborted);
         life.ack_owed = false;
         let (_, streamed) = life.streaming.take().expect("streaming");
         if life.cancelled {
@@ -548,7 +551,10 @@ impl Sim {
         if let Some(writing) = life.writing.or(life.streaming.map(|(epoch, _)| epoch)) {
             if life.cancelled || covers || epoch == Some(writing) {
                 assert_eq!(answer, Cancelled::Deferred);
-                life.ack_owed = true;
+                // P's own abort (no epoch) during a stream owes D no acknowledgement: D did not
+                // ask (the writer sends it a FAIL instead); it ends P's send with the stream.
+                life.ack_owed |= epoch.is_some() || life.writing.is_some();
+                life.aborted |= epoch.is_none() && life.streaming.is_some();
                 if covers {
                     life.cancelled = true;
                     life.registration = None;
@@ -644,7 +650,7 @@ fn random_lifecycles_each_end_exactly_once_and_leave_nothing_behind() {
         "ready during a stream",
         "cancel during a stream",
         "re-registered during a stream",
-        "ready refused after a cancel during a stream",
+        "ready held after a cancel during a stream",
     ] {
         assert!(sim.paths.get(path).is_some_and(|&n| n > 0), "{path} never taken: {:?}", sim.paths);
     }

@@ -325,7 +325,8 @@ pub use crate::topology::Share;
 pub enum AbortOutcome {
     /// No write will happen; P's blocks are free now (D was told if it had registered).
     Released,
-    /// A write is in flight: keep the blocks until its event arrives.
+    /// A write is in flight (or, aborted mid-stream, a layer's): keep the blocks until its
+    /// event arrives.
     InFlight,
     /// The endpoint knew nothing of the request (already ended, or never reported ready).
     Unknown,
@@ -770,12 +771,20 @@ impl Endpoint {
     /// P: the request's KV is computed. The write starts at once if D already registered.
     ///
     /// An error means no write will happen (e.g. D cancelled first, or [`EndpointError::Busy`]:
-    /// the writer is behind): free the blocks now.
+    /// the writer is behind): free the blocks now. Otherwise its event comes.
     pub fn ready(&self, ready: ReadyKv) -> Result<(), EndpointError> {
-        self.shared.health().map_err(EndpointError::Unhealthy)?;
-        check_ttl(&ready.request_id, ready.ttl)?;
-        // Before the table: a match once made must reach the writer.
-        self.shared.admit()?;
+        if let Err(refused) = self.admit_ready(&ready) {
+            // Layers of this KV may have streamed, or wait in the writer's inbox to: nothing may
+            // read its blocks once they are freed, so the transfer ends as an abort ends it (D
+            // is told). Where a layer's WRITE is in flight, the KV is taken after all: its send
+            // ends, cancelled, once that WRITE is done.
+            let (request_id, transfer_id) = (&ready.request_id, ready.transfer_id.as_deref());
+            let why = format!("P could not send request {request_id} ({refused})");
+            return match self.abort_admitted(request_id, transfer_id, &why) {
+                AbortOutcome::InFlight => Ok(()),
+                AbortOutcome::Released | AbortOutcome::Unknown => Err(refused),
+            };
+        }
         let key = TransferKey::for_request(ready.transfer_id.as_deref(), &ready.request_id);
         let now = self.shared.now();
         let deadline = now + ready.ttl;
@@ -810,6 +819,13 @@ impl Endpoint {
             }
         }
         Ok(())
+    }
+
+    /// Whether the writer takes `ready` (before the table: a match once made must reach it).
+    fn admit_ready(&self, ready: &ReadyKv) -> Result<(), EndpointError> {
+        self.shared.health().map_err(EndpointError::Unhealthy)?;
+        check_ttl(&ready.request_id, ready.ttl)?;
+        self.shared.admit()
     }
 
     /// P, layer-wise push: the KV of the regions `regions` (layout order: a layer's K and V, or
@@ -867,16 +883,22 @@ impl Endpoint {
         transfer_id: Option<&str>,
     ) -> Result<AbortOutcome, EndpointError> {
         self.shared.admit_ending()?;
-        Ok(self.abort_admitted(request_id, transfer_id))
+        Ok(self.abort_admitted(request_id, transfer_id, &format!("P aborted request {request_id}")))
     }
 
-    fn abort_admitted(&self, request_id: &str, transfer_id: Option<&str>) -> AbortOutcome {
+    /// [`abort`](Self::abort) once admitted; `why` is what D is told.
+    fn abort_admitted(
+        &self,
+        request_id: &str,
+        transfer_id: Option<&str>,
+        why: &str,
+    ) -> AbortOutcome {
         let key = TransferKey::for_request(transfer_id, request_id);
         let now = self.shared.now();
         {
             let mut groups = lock(&self.shared.fanouts);
             if let Some(group) = groups.get_mut(&key) {
-                let outcome = self.abort_slots(&key, group, request_id, now);
+                let outcome = self.abort_slots(&key, group, request_id, why, now);
                 if outcome != AbortOutcome::InFlight {
                     groups.remove(&key);
                 }
@@ -890,10 +912,8 @@ impl Endpoint {
             Cancelled::Deferred => AbortOutcome::InFlight,
             Cancelled::Removed { registration, .. } => {
                 if let Some(registration) = registration {
-                    let fail = registration.fail(
-                        FailReason::Aborted,
-                        format!("P aborted request {request_id}; recompute it locally"),
-                    );
+                    let fail = registration
+                        .fail(FailReason::Aborted, format!("{why}; recompute it locally"));
                     self.shared.send(Command::Fail { peer: registration.peer, fail });
                 }
                 AbortOutcome::Released
@@ -909,6 +929,7 @@ impl Endpoint {
         key: &TransferKey,
         group: &mut fanout::FanOut,
         request_id: &str,
+        why: &str,
         now: Instant,
     ) -> AbortOutcome {
         let mut in_flight = false;
@@ -918,10 +939,8 @@ impl Endpoint {
                 Cancelled::Deferred => in_flight = true,
                 Cancelled::Removed { registration, ready } => {
                     if let Some(registration) = registration {
-                        let fail = registration.fail(
-                            FailReason::Aborted,
-                            format!("P aborted request {request_id}; recompute it locally"),
-                        );
+                        let fail = registration
+                            .fail(FailReason::Aborted, format!("{why}; recompute it locally"));
                         self.shared.send(Command::Fail { peer: registration.peer, fail });
                     }
                     if ready.is_some() {

@@ -405,7 +405,8 @@ impl Sends {
     }
 
     /// Writes past their write timeout, before anything drives the transport this turn: each
-    /// is reported quarantined once (counted), and stays held, its source blocks and its table
+    /// is counted and reported quarantined once (not again where a WRITE of the request's
+    /// stream was: one notice per request), and stays held, its source blocks and its table
     /// entry, until the transport reports it finished. A WRITE cannot be recalled: releasing an
     /// unfinished one tells NIXL to forget it, not UCX to stop moving its bytes, so P says
     /// nothing to D (no FAIL, no CANCEL_ACK) before the transport is done with it, and D holds
@@ -426,6 +427,9 @@ impl Sends {
             self.in_flight[i].overdue = true;
             Counters::add(&cx.shared.counters.quarantined_writes);
             let w = &self.in_flight[i];
+            if w.streamed.noticed {
+                continue;
+            }
             let detail = format!(
                 "transfer {}: the WRITE is not done after {timeout:?} (a stalled process or link, or a \
                  slow peer); P keeps its source blocks, and D its destination blocks, until the \

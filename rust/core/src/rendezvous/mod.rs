@@ -226,8 +226,10 @@ pub enum StreamStart<R> {
 /// What [`RendezvousTable::end_stream`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamEnded<R, K> {
-    /// A cancel arrived during the stream: acknowledge it to D now.
+    /// D's cancel arrived during the stream: acknowledge it to D now.
     pub cancel_acknowledged: bool,
+    /// P's abort arrived during the stream: end P's send now (the key is cancelled).
+    pub aborted: bool,
     /// What the key holds now.
     pub next: AfterStream<R, K>,
 }

@@ -152,8 +152,10 @@ pub(super) enum State<R, K> {
         /// P's whole KV and its deadline, when it became ready during the stream.
         ready: Option<(K, Instant)>,
         after: AfterWrite<R>,
-        /// A cancel arrived during the stream; it is acknowledged by `end_stream`.
+        /// D's cancel arrived during the stream; it is acknowledged by `end_stream`.
         ack_owed: bool,
+        /// P's abort arrived during the stream: `end_stream` ends P's send.
+        aborted: bool,
     },
     /// The key ended; late arrivals are refused until `until`.
     Fenced { reason: FenceReason, until: Instant },

@@ -149,6 +149,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 ready,
                 after,
                 ack_owed,
+                aborted,
             } => {
                 let (after, result) = incoming.register_during_write(streaming, after);
                 let state = State::Streaming {
@@ -158,6 +159,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                     ready,
                     after,
                     ack_owed,
+                    aborted,
                 };
                 (state, result)
             }
@@ -203,12 +205,9 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 };
                 (state, Ok(Arrival::Matched(matched)))
             }
-            // D cancelled the transfer during the stream: nothing more will be written.
-            state @ State::Streaming { after: AfterWrite::Cancelled, ready: None, .. } => {
-                let reason = FenceReason::Cancelled;
-                (state, Err(RendezvousError::Fenced { key: key.clone(), reason }))
-            }
-            // The stream's WRITEs must finish before the whole KV's: held for `end_stream`.
+            // The stream's WRITEs must finish before the whole KV's: held for `end_stream`. Also
+            // when D cancelled meanwhile: P's KV ends with the cancel only then, for those WRITEs
+            // still read P's blocks (refused now, P's engine would free them under the WRITEs).
             State::Streaming {
                 epoch,
                 owner,
@@ -216,6 +215,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 ready: None,
                 after,
                 ack_owed,
+                aborted,
             } => {
                 let state = State::Streaming {
                     epoch,
@@ -224,6 +224,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                     ready: Some((ready, deadline)),
                     after,
                     ack_owed,
+                    aborted,
                 };
                 (state, Ok(Arrival::Waiting { superseded: None }))
             }
@@ -374,6 +375,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                     ready: None,
                     after: AfterWrite::End,
                     ack_owed: false,
+                    aborted: false,
                 };
                 (state, StreamStart::Started { epoch, registration })
             }
@@ -412,6 +414,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 ready,
                 after,
                 ack_owed,
+                aborted,
             } if streaming == epoch => {
                 let (state, next) = match after {
                     AfterWrite::Cancelled => {
@@ -428,7 +431,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                         Self::after_stream(key, owner, waiting, ready, Some(registration), now)
                     }
                 };
-                (state, Ok(StreamEnded { cancel_acknowledged: ack_owed, next }))
+                (state, Ok(StreamEnded { cancel_acknowledged: ack_owed, aborted, next }))
             }
             State::Fenced { reason, until } => (
                 State::Fenced { reason, until },
@@ -554,9 +557,15 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 ready,
                 after,
                 ack_owed,
+                aborted,
             } => {
-                let (after, ack_owed, result) =
-                    cancel_during_write(epoch, streaming, after, ack_owed);
+                let (after, owed, result) = cancel_during_write(epoch, streaming, after, ack_owed);
+                // P's own abort (no epoch) owes D no acknowledgement (D did not ask; it hears a
+                // FAIL unless it cancelled too), and ends P's send once the stream's WRITEs are
+                // done.
+                let p_abort = epoch.is_none() && matches!(result, Cancelled::Deferred);
+                let (ack_owed, aborted) =
+                    if epoch.is_some() { (owed, aborted) } else { (ack_owed, aborted || p_abort) };
                 let state = State::Streaming {
                     epoch: streaming,
                     owner,
@@ -564,6 +573,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                     ready,
                     after,
                     ack_owed,
+                    aborted,
                 };
                 (state, result)
             }
@@ -630,6 +640,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 ready,
                 after: AfterWrite::Rematch { epoch, registration, .. },
                 ack_owed,
+                aborted,
             } => {
                 purged.push((key.clone(), epoch, registration));
                 let after = AfterWrite::End;
@@ -640,6 +651,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                     ready,
                     after,
                     ack_owed,
+                    aborted,
                 }
             }
             state => state,

@@ -680,7 +680,11 @@ fn a_stream_holds_the_registration_until_it_ends_then_it_waits_again() {
     let ended = table.end_stream(&key("a"), 1, "d", c.at(3)).unwrap();
     assert_eq!(
         ended,
-        StreamEnded { cancel_acknowledged: false, next: AfterStream::Waiting { superseded: None } }
+        StreamEnded {
+            cancel_acknowledged: false,
+            aborted: false,
+            next: AfterStream::Waiting { superseded: None }
+        }
     );
     // Streamed again as more layers become final, then matched to P's whole KV.
     assert_eq!(started(table.begin_stream(&key("a"), c.at(4))), (1, "d"));
@@ -747,13 +751,19 @@ fn a_cancel_during_a_stream_is_acknowledged_when_it_ends() {
     assert_eq!(table.cancel(&key("a"), Some(1), c.at(2)), Cancelled::Deferred);
     waiting(table.register(key("b"), 1, "d", c.at(100), c.at(0)));
     started(table.begin_stream(&key("b"), c.at(0)));
-    assert_eq!(table.cancel(&key("b"), None, c.at(2)), Cancelled::Deferred);
+    assert_eq!(table.cancel(&key("b"), Some(1), c.at(2)), Cancelled::Deferred);
+    // Held, not refused: the stream's WRITEs still read P's blocks, which P's engine would free
+    // once its KV is refused.
+    waiting(table.ready(key("b"), vec![5], c.at(100), c.at(3)));
     assert_eq!(
-        table.ready(key("b"), vec![4], c.at(100), c.at(3)),
-        Err(RendezvousError::Fenced { key: key("b"), reason: FenceReason::Cancelled }),
-        "P's KV is refused at once, not held until the stream ends"
+        table.end_stream(&key("b"), 1, "d", c.at(4)).unwrap(),
+        StreamEnded {
+            cancel_acknowledged: true,
+            aborted: false,
+            next: AfterStream::Cancelled { registration: "d", ready: Some(vec![5]) },
+        },
+        "P's KV ends with the cancel once the stream's WRITEs are done"
     );
-    assert!(table.end_stream(&key("b"), 1, "d", c.at(4)).unwrap().cancel_acknowledged);
     assert_eq!(table.len(), 1, "held until the stream's WRITEs are done");
     assert_eq!(
         table.register(key("a"), 2, "d2", c.at(100), c.at(3)),
@@ -764,11 +774,38 @@ fn a_cancel_during_a_stream_is_acknowledged_when_it_ends() {
         ended,
         StreamEnded {
             cancel_acknowledged: true,
+            aborted: false,
             next: AfterStream::Cancelled { registration: "d", ready: Some(vec![4]) },
         }
     );
     assert_eq!((table.len(), table.fences()), (0, 2), "both keys fenced");
     assert_eq!(table.begin_stream(&key("a"), c.at(5)), StreamStart::Fenced(FenceReason::Cancelled));
+    // P's own abort (no epoch) during a stream: deferred too, and ends P's send when the
+    // stream ends; D did not ask, so no acknowledgement is owed (the writer sends a FAIL).
+    waiting(table.register(key("c"), 1, "d", c.at(100), c.at(5)));
+    started(table.begin_stream(&key("c"), c.at(5)));
+    assert_eq!(table.cancel(&key("c"), None, c.at(6)), Cancelled::Deferred);
+    assert_eq!(
+        table.end_stream(&key("c"), 1, "d", c.at(7)).unwrap(),
+        StreamEnded {
+            cancel_acknowledged: false,
+            aborted: true,
+            next: AfterStream::Cancelled { registration: "d", ready: None },
+        }
+    );
+    // Both: D's cancel is acknowledged, and P's send still ends.
+    waiting(table.register(key("e"), 1, "d", c.at(100), c.at(7)));
+    started(table.begin_stream(&key("e"), c.at(7)));
+    assert_eq!(table.cancel(&key("e"), Some(1), c.at(8)), Cancelled::Deferred);
+    assert_eq!(table.cancel(&key("e"), None, c.at(8)), Cancelled::Deferred);
+    assert_eq!(
+        table.end_stream(&key("e"), 1, "d", c.at(9)).unwrap(),
+        StreamEnded {
+            cancel_acknowledged: true,
+            aborted: true,
+            next: AfterStream::Cancelled { registration: "d", ready: None },
+        }
+    );
     assert_drains(&table, &c);
 }
 

@@ -79,6 +79,8 @@ pub(in crate::endpoint) struct Stream {
     first_posted: Option<Instant>,
     /// Why the transfer fails: a WRITE of the stream failed or was refused.
     failed: Option<Refusal>,
+    /// A WRITE of the stream was reported quarantined: the request's notice, given once.
+    noticed: bool,
 }
 
 impl Stream {
@@ -97,6 +99,7 @@ impl Stream {
             runs: 0,
             first_posted: None,
             failed: None,
+            noticed: false,
         }
     }
 
@@ -159,6 +162,8 @@ pub(in crate::endpoint) struct Streamed {
     pub(super) runs: u32,
     /// When the stream's first WRITE was posted.
     pub(super) first_posted: Option<Instant>,
+    /// The request's quarantine notice was given for a WRITE of the stream.
+    pub(super) noticed: bool,
 }
 
 /// A posted WRITE of a stream.
@@ -291,9 +296,10 @@ impl Sends {
         }
     }
 
-    /// Reports each stream WRITE past the write timeout as its send's quarantine notice, once:
-    /// as for a request's WRITE, P keeps the source blocks and D its destination blocks (the
-    /// table holds the stream's registration, D's cancel waits) until the transport finished.
+    /// Reports a stream's WRITEs past the write timeout (each counted) as its send's quarantine
+    /// notice, once per request: as for a request's WRITE, P keeps the source blocks and D its
+    /// destination blocks (the table holds the stream's registration, D's cancel waits) until
+    /// the transport finished.
     pub(super) fn notice_overdue_partials<T: Transport>(
         &mut self,
         cx: &mut Context<T>,
@@ -305,8 +311,11 @@ impl Sends {
                 continue;
             }
             partial.overdue = true;
-            let Some(stream) = self.streams.get(&partial.key) else { continue };
+            let Some(stream) = self.streams.get_mut(&partial.key) else { continue };
             Counters::add(&cx.shared.counters.quarantined_writes);
+            if std::mem::replace(&mut stream.noticed, true) {
+                continue;
+            }
             let detail = format!(
                 "transfer {}: a layer's WRITE is not done after {timeout:?} (a stalled process or \
                  link, or a slow peer); P keeps its source blocks, and D its destination blocks, \
@@ -384,15 +393,30 @@ impl Sends {
         self.acknowledge_cancels(cx, key, epoch, &request_id, owed, (wrote, false));
         match ended.next {
             AfterStream::Cancelled { registration, ready } => {
-                self.streams.remove(key);
-                drop(registration);
-                match ready {
-                    Some(ready) => {
+                let streamed = self.streams.remove(key);
+                // P's abort: now that no WRITE of the stream can land, D hears it unless it
+                // cancelled too (acknowledged above; otherwise it would wait for the KV until
+                // its TTL), and P's send ends, as the abort's `InFlight` promised (a transfer
+                // written into several D ranks ends with its last slot, as `release_slot` sees
+                // to).
+                let aborted = ended.aborted;
+                if aborted && owed.is_none() {
+                    let detail = format!("P aborted request {request_id}; recompute it locally");
+                    let fail = registration.fail(FailReason::Aborted, detail);
+                    cx.send(registration.peer, Message::Fail(fail));
+                }
+                match (ready, streamed) {
+                    (Some(ready), _) => {
                         let detail = format!("D cancelled transfer {key}");
                         let outcome = Outcome::cancelled(Reason::Cancelled, detail);
                         report_send(cx, &ready, key.as_str(), outcome, None);
                     }
-                    None => release_slot(&cx.shared, key, FenceReason::Cancelled, now),
+                    (None, Some(stream)) if aborted && key.split_slot().is_none() => {
+                        let detail = format!("P aborted request {request_id}");
+                        let outcome = Outcome::cancelled(Reason::Aborted, detail);
+                        report_send(cx, &stream.kv, key.as_str(), outcome, None);
+                    }
+                    (None, _) => release_slot(&cx.shared, key, FenceReason::Cancelled, now),
                 }
             }
             AfterStream::Waiting { superseded } => {
@@ -465,6 +489,7 @@ impl Sends {
             bytes: stream.bytes,
             runs: stream.runs,
             first_posted: stream.first_posted,
+            noticed: stream.noticed,
         })
     }
 
