@@ -10,7 +10,8 @@
 //! `KVPUSH_SIM_SECONDS` (default 60) bounds the wall time, `KVPUSH_SIM_SCHEDULES` the count;
 //! `KVPUSH_SIM_FIRST_SEED` (default: a fresh one, printed) is where the seeds start. With
 //! `KVPUSH_SIM_SEED` it replays that one schedule and prints its report. Exits 1 on a violation,
-//! after printing the first schedule of each kind of violation.
+//! after printing the first schedule of each kind of violation. `KVPUSH_SIM_WHOLE_REQUESTS=1`
+//! draws the schedules without layer-wise push, as seeds found before it replay them.
 
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -29,7 +30,10 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 fn main() -> ExitCode {
-    let model = Model::FULL;
+    let model = match std::env::var("KVPUSH_SIM_WHOLE_REQUESTS").as_deref() {
+        Ok("1") => Model::WHOLE_REQUESTS,
+        _ => Model::FULL,
+    };
     if let Some(seed) = env_u64("KVPUSH_SIM_SEED") {
         let report = sim::run(seed, model);
         println!("{report}");

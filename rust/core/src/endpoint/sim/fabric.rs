@@ -64,7 +64,8 @@ enum Status {
 /// A posted WRITE.
 #[derive(Debug)]
 struct SimWrite {
-    /// The request it writes (by index), from its DONE.
+    /// The request it writes (by index), from its DONE; a WRITE without one (a layer streamed
+    /// while P computes the rest) writes the request that holds its first source block.
     request: usize,
     /// The P agent that posted it.
     from: String,
@@ -75,7 +76,7 @@ struct SimWrite {
     landed: usize,
     /// The chunk at which it fails (it is posted while writes fail).
     fail_at: Option<usize>,
-    notification: Vec<u8>,
+    notification: Option<Vec<u8>>,
     status: Status,
 }
 
@@ -178,7 +179,7 @@ impl Lab {
         incarnation: u32,
         from: &str,
         runs: &[DescriptorRun],
-        notification: &[u8],
+        notification: Option<&[u8]>,
     ) -> Result<WriteId, TransportError> {
         let mut chunks: Vec<Chunk> = Vec::new();
         for run in runs {
@@ -199,17 +200,15 @@ impl Lab {
                 done += src_left.min(dst_left).min(run.len - done);
             }
         }
-        let now_ms = self.procs[Side::P.index()].clock.unix_millis();
-        let decoded = Decoder::new(self.fabric.decoder_secret.clone(), Limits::default())
-            .decode_unordered(notification, now_ms, Duration::from_secs(3_600));
-        let request = match decoded.map(|envelope| envelope.message) {
-            Ok(Message::Done(done)) => self.world.ids.get(&done.request_id).copied(),
-            _ => None,
+        let request = match notification {
+            Some(notification) => self.done_of(notification),
+            None => chunks.first().and_then(|chunk| self.world.p_holder(incarnation, chunk.src)),
         };
         let Some(request) = request else {
             let now = self.now();
             self.world.violations.push(format!(
-                "[{now:?}] a WRITE's notification is not a DONE for a known request"
+                "[{now:?}] a WRITE is neither notified by a DONE for a known request nor reads \
+                 a block P holds for one"
             ));
             return Err(TransportError::new("post_write", "bad notification"));
         };
@@ -218,9 +217,10 @@ impl Lab {
         let id = self.fabric.next_write;
         self.fabric.next_write += 1;
         self.log(format!(
-            "p{incarnation} posts WRITE {id} of {} ({} chunks{})",
+            "p{incarnation} posts WRITE {id} of {} ({} chunks{}{})",
             self.world.id(request),
             chunks.len(),
+            if notification.is_some() { "" } else { ", no DONE" },
             fail_at.map(|at| format!(", fails at {at}")).unwrap_or_default()
         ));
         self.fabric.writes.insert(
@@ -232,11 +232,22 @@ impl Lab {
                 moved: 0,
                 landed: 0,
                 fail_at,
-                notification: notification.to_vec(),
+                notification: notification.map(<[u8]>::to_vec),
                 status: Status::Moving,
             },
         );
         Ok(WriteId(id))
+    }
+
+    /// The request (by index) a WRITE's notification is the DONE of.
+    fn done_of(&self, notification: &[u8]) -> Option<usize> {
+        let now_ms = self.procs[Side::P.index()].clock.unix_millis();
+        let decoded = Decoder::new(self.fabric.decoder_secret.clone(), Limits::default())
+            .decode_unordered(notification, now_ms, Duration::from_secs(3_600));
+        match decoded.map(|envelope| envelope.message) {
+            Ok(Message::Done(done)) => self.world.ids.get(&done.request_id).copied(),
+            _ => None,
+        }
     }
 
     /// Moves up to `steps` chunks of write `key` (a progress call of P's).
@@ -280,9 +291,11 @@ impl Lab {
                     let Some(w) = self.fabric.writes.get_mut(&key) else { return };
                     w.moved += 1;
                     if w.moved == total {
-                        let (from, payload) = (w.from.clone(), w.notification.clone());
-                        let arrive = now + self.latency();
-                        self.wire_push(key.0, now, arrive, Wired::Done { from, payload });
+                        if let Some(payload) = w.notification.clone() {
+                            let from = w.from.clone();
+                            let arrive = now + self.latency();
+                            self.wire_push(key.0, now, arrive, Wired::Done { from, payload });
+                        }
                     }
                 }
             }
@@ -298,7 +311,8 @@ impl Lab {
     fn complete_cma(&mut self, key: (u32, u64)) {
         let Some(w) = self.fabric.writes.get_mut(&key) else { return };
         w.status = Status::Done;
-        let notification = Notification { from: w.from.clone(), payload: w.notification.clone() };
+        let Some(payload) = w.notification.clone() else { return };
+        let notification = Notification { from: w.from.clone(), payload };
         let delay = if self.fabric.slow_notifications > 0 {
             self.rng.millis(0.0, 5_000.0)
         } else {
@@ -451,12 +465,6 @@ impl Transport for SimAgent {
         if self.side != Side::P || !self.peers.contains(peer) {
             return Err(TransportError::new("post_write", format!("unknown peer {peer:?}")));
         }
-        let Some(notification) = notification else {
-            return Err(TransportError::new(
-                "post_write",
-                "a WRITE without a DONE is not simulated",
-            ));
-        };
         lock(&self.lab).post(self.incarnation, &self.name, runs, notification)
     }
 

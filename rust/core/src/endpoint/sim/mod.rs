@@ -44,6 +44,26 @@
 //! landed (NIXL flushes the endpoint after the data), and D's `take_notifications` unpacks
 //! everything that arrived (NIXL's `getNotifs` progresses UCX until nothing is left to do).
 //!
+//! Layer-wise push ([`Model::layerwise`]): P's engine hands some requests' layers over while it
+//! computes them (WRITEs that notify nobody), then offers the KV, or aborts the request
+//! mid-stream. What it found there, all fixed (`tests` keeps a seed of each):
+//!
+//! - A ready that found D's cancel deferred during the stream was refused at once, so P's engine
+//!   freed the blocks the stream's WRITE was still reading: P's KV is now held until the stream
+//!   ends, and its send then ends cancelled.
+//! - P's abort mid-stream, answered `InFlight` (a layer's WRITE in flight), was never followed by
+//!   the send's event, and D was not told: P's engine held the blocks for good, and D waited for
+//!   the KV until its TTL. Once the stream's WRITEs are done, D now gets a FAIL and P the event;
+//!   also where D had cancelled first (the table records P's abort apart from D's cancel).
+//! - A stuck layer's WRITE and then the request's own stuck WRITE each gave the request a
+//!   quarantine notice: one per request now (every quarantined WRITE is still counted).
+//! - P's KV refused by an unhealthy endpoint (its writer stalled), whose blocks P's engine then
+//!   freed, while a layer of it waited in the writer's inbox: once the writer ran again, it
+//!   streamed that layer from the freed blocks. A refused KV now ends the transfer as an abort
+//!   does (its layers find the key fenced; `a_kv_refused_while_its_layer_waits_in_the_writer_s_
+//!   inbox_is_never_read` in `tests/endpoint.rs`, found by a long run, seed 642443334264 as
+//!   drawn before mid-stream aborts).
+//!
 //! What it does not model: interleavings inside one turn (a writer turn runs whole while the
 //! handlers wait; the rendezvous table's own concurrency is loom's to check); several P or D
 //! ranks (tensor-parallel fan-in and fan-out), re-registrations (epochs above 1) and D's
@@ -249,8 +269,15 @@ impl Lab {
 
     fn p_engine(&mut self, endpoint: &Endpoint, now: Duration, i: usize, r: &RequestPlan) {
         let incarnation = self.procs[Side::P.index()].incarnation;
+        let kv = |blocks: &[u32]| ReadyKv {
+            request_id: r.id.clone(),
+            transfer_id: None,
+            groups: vec![BlockGroup { first_token: 0, block_ids: blocks.to_vec() }],
+            num_tokens: r.tokens,
+            ttl: r.ready_ttl,
+        };
         match &mut self.world.p[i] {
-            PState::Waiting if now >= r.ready_at => {
+            PState::Waiting if now >= r.ready_at || r.stream_from.is_some_and(|at| now >= at) => {
                 let count = r.tokens.div_ceil(TOKENS_PER_BLOCK) as usize;
                 let rng = &mut self.rng;
                 let Some(blocks) = self
@@ -259,25 +286,52 @@ impl Lab {
                 else {
                     return;
                 };
-                let ready = ReadyKv {
-                    request_id: r.id.clone(),
-                    transfer_id: None,
-                    groups: vec![BlockGroup { first_token: 0, block_ids: blocks.clone() }],
-                    num_tokens: r.tokens,
-                    ttl: r.ready_ttl,
+                self.log(format!(
+                    "P (p{incarnation}) computes {} into blocks {blocks:?}{}",
+                    r.id,
+                    if r.stream_from.is_some() { ", streaming its layers" } else { "" }
+                ));
+                self.world.p[i] = PState::Readied {
+                    incarnation,
+                    blocks,
+                    offered: false,
+                    streamed: 0,
+                    abort_sent: false,
+                    notice: false,
                 };
-                match endpoint.ready(ready) {
+                self.p_engine(endpoint, now, i, r);
+            }
+            // Aborted once offered, or mid-stream.
+            PState::Readied { abort_sent, offered, .. }
+                if !*abort_sent
+                    && (*offered || r.stream_from.is_some())
+                    && r.abort_at.is_some_and(|at| now >= at) =>
+            {
+                *abort_sent = true;
+                let offered = *offered;
+                let outcome = endpoint.abort(&r.id, None);
+                self.log(format!("P aborts {}: {outcome:?}", r.id));
+                // Mid-stream, `Unknown` is a stream that never started or ended: nothing of it
+                // is in flight. `InFlight`: the blocks wait for the send's event.
+                let unknown = !offered && matches!(outcome, Ok(AbortOutcome::Unknown));
+                if unknown || matches!(outcome, Ok(AbortOutcome::Released)) {
+                    if let PState::Readied { blocks, .. } = &self.world.p[i] {
+                        let blocks = blocks.clone();
+                        self.world.release(Side::P, incarnation, &blocks);
+                    }
+                    self.world.p[i] = PState::Ended(Ending::Released);
+                }
+            }
+            PState::Readied { offered: false, abort_sent: false, blocks, .. }
+                if now >= r.ready_at =>
+            {
+                let blocks = blocks.clone();
+                match endpoint.ready(kv(&blocks)) {
                     Ok(()) => {
-                        self.log(format!(
-                            "P (p{incarnation}) ready {} from blocks {blocks:?}",
-                            r.id
-                        ));
-                        self.world.p[i] = PState::Readied {
-                            incarnation,
-                            blocks,
-                            abort_sent: false,
-                            notice: false,
-                        };
+                        self.log(format!("P (p{incarnation}) ready {}", r.id));
+                        if let PState::Readied { offered, .. } = &mut self.world.p[i] {
+                            *offered = true;
+                        }
                     }
                     Err(error) => {
                         self.log(format!("P's ready of {} refused: {error}", r.id));
@@ -286,19 +340,16 @@ impl Lab {
                     }
                 }
             }
-            PState::Readied { abort_sent, .. }
-                if !*abort_sent && r.abort_at.is_some_and(|at| now >= at) =>
+            // Layer-wise push: one more layer (region) final; the last goes with the KV.
+            PState::Readied { offered: false, abort_sent: false, blocks, streamed, .. }
+                if r.stream_from.is_some() && *streamed + 1 < REGIONS =>
             {
-                *abort_sent = true;
-                let outcome = endpoint.abort(&r.id, None);
-                self.log(format!("P aborts {}: {outcome:?}", r.id));
-                if matches!(outcome, Ok(AbortOutcome::Released)) {
-                    if let PState::Readied { blocks, .. } = &self.world.p[i] {
-                        let blocks = blocks.clone();
-                        self.world.release(Side::P, incarnation, &blocks);
-                    }
-                    self.world.p[i] = PState::Ended(Ending::Released);
-                }
+                let region = *streamed;
+                *streamed += 1;
+                let blocks = blocks.clone();
+                let result =
+                    endpoint.layers_ready(kv(&blocks), region as usize..region as usize + 1);
+                self.log(format!("P streams region {region} of {}: {result:?}", r.id));
             }
             _ => {}
         }

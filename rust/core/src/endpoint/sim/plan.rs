@@ -17,11 +17,18 @@ pub struct Model {
     /// A paused P may be a paused virtual machine, whose clocks stop with it; otherwise a
     /// pause stops at most the monotonic clock (a suspend).
     pub stopped_clocks: bool,
+    /// P's engine may hand a request's layers over while it computes the rest (layer-wise
+    /// push: WRITEs that notify nobody, then the request's WRITE with the DONE).
+    pub layerwise: bool,
 }
 
 impl Model {
     /// Every schedule the simulation can draw.
-    pub const FULL: Self = Self { tcp_failures_leave_bytes: true, stopped_clocks: true };
+    pub const FULL: Self =
+        Self { tcp_failures_leave_bytes: true, stopped_clocks: true, layerwise: true };
+    /// Every schedule but layer-wise push: the schedules drawn before it existed, which the
+    /// seeds kept for the fence bugs found then replay exactly.
+    pub const WHOLE_REQUESTS: Self = Self { layerwise: false, ..Self::FULL };
 }
 
 /// One of the pair.
@@ -155,6 +162,9 @@ pub struct RequestPlan {
     pub ready_ttl: Duration,
     /// When P's engine aborts the request, if it does.
     pub abort_at: Option<Duration>,
+    /// Layer-wise push: when P's forward starts on the request (its blocks held from then),
+    /// handing its layers but the last over one by one, each once final, until `ready_at`.
+    pub stream_from: Option<Duration>,
 }
 
 /// One schedule: see the module docs.
@@ -215,9 +225,11 @@ impl Plan {
                     ready_at,
                     ready_ttl: ms(rng.between(800, 10_000)),
                     abort_at: rng.percent(10).then(|| ready_at + ms(rng.below(3_000))),
+                    stream_from: None,
                 }
             })
-            .collect();
+            .collect::<Vec<_>>();
+        let requests = streamed(seed, model, requests);
         let count = [0, 1, 1, 2, 2, 3, 4][usize::try_from(rng.below(7)).unwrap_or(0)];
         let faults = (0..count)
             .map(|_| {
@@ -238,6 +250,23 @@ impl Plan {
             skip_percent: [0, 10, 30][usize::try_from(rng.below(3)).unwrap_or(0)],
         }
     }
+}
+
+/// Layer-wise push for about half the requests, drawn apart from the rest of the plan (a model
+/// without it draws the schedule it drew before layer-wise push existed). A streamed request's
+/// abort, if it has one, comes as long after its forward's start as it would after its KV's:
+/// often mid-stream.
+fn streamed(seed: u64, model: Model, mut requests: Vec<RequestPlan>) -> Vec<RequestPlan> {
+    let mut rng = Rng::new(seed ^ 0x4C41_5945_5257_4953);
+    for r in &mut requests {
+        let computing = ms(rng.between(0, 3_000));
+        if rng.percent(50) && model.layerwise {
+            let from = r.ready_at.saturating_sub(computing);
+            r.abort_at = r.abort_at.map(|at| from + (at - r.ready_at));
+            r.stream_from = Some(from);
+        }
+    }
+    requests
 }
 
 fn side(rng: &mut Rng) -> Side {
@@ -295,7 +324,7 @@ impl fmt::Display for Plan {
         for r in &self.requests {
             writeln!(
                 f,
-                "  {}: {} tokens; D expects at {:?} (ttl {:?}{}); P ready at {:?} (ttl {:?}{})",
+                "  {}: {} tokens; D expects at {:?} (ttl {:?}{}); P ready at {:?} (ttl {:?}{}{})",
                 r.id,
                 r.tokens,
                 r.expect_at,
@@ -304,6 +333,9 @@ impl fmt::Display for Plan {
                 r.ready_at,
                 r.ready_ttl,
                 r.abort_at.map(|at| format!(", aborts at {at:?}")).unwrap_or_default(),
+                r.stream_from
+                    .map(|at| format!(", layers streamed from {at:?}"))
+                    .unwrap_or_default(),
             )?;
         }
         for fault in &self.faults {

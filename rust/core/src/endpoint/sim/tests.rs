@@ -32,9 +32,9 @@ fn a_schedule_frees_everything_it_built() {
     assert!(lab.upgrade().is_none(), "a schedule's lab outlived it");
 }
 
-/// Asserts that `seed`'s schedule (full model) keeps every property.
+/// Asserts that `seed`'s schedule (as drawn before layer-wise push) keeps every property.
 fn keeps_the_fence(seed: u64) {
-    let report = run(seed, Model::FULL);
+    let report = run(seed, Model::WHOLE_REQUESTS);
     assert!(report.passed(), "{report}");
 }
 
@@ -64,4 +64,40 @@ fn seed_418344182972_a_register_on_a_replaced_connection_is_never_written() {
 #[test]
 fn seed_427180299053_bytes_sent_after_tcp_gave_up_wait_for_no_backoff() {
     keeps_the_fence(427_180_299_053);
+}
+
+/// Layer-wise push: D cancels while a layer's WRITE is stuck, and P's KV comes meanwhile. P's
+/// KV was refused at once, so P's engine freed the blocks that WRITE still read; it is now held
+/// until the stream's WRITEs are done, and its send ends cancelled.
+#[test]
+fn seed_89_a_kv_offered_during_a_cancelled_stream_keeps_its_blocks_until_the_stream_ends() {
+    let report = run(89, Model::FULL);
+    assert!(report.passed(), "{report}");
+}
+
+/// Layer-wise push: P aborts a request while a layer's WRITE is stuck (answered `InFlight`).
+/// Nothing followed: P's engine held the blocks for good waiting for the send's event, and D
+/// waited for the KV until its TTL. Once the stream's WRITEs are done, P now reports the send
+/// and D gets a FAIL.
+#[test]
+fn seed_285_a_prefill_aborted_mid_stream_ends_on_both_sides_once_the_stream_is_done() {
+    let report = run(285, Model::FULL);
+    assert!(report.passed(), "{report}");
+}
+
+/// Layer-wise push: a layer's WRITE is stuck past the write timeout (a quarantine notice), then
+/// so is the request's own WRITE: a second notice for the same request. Now one per request.
+#[test]
+fn seed_642443057927_a_stuck_stream_and_its_stuck_write_give_one_notice() {
+    let report = run(642_443_057_927, Model::FULL);
+    assert!(report.passed(), "{report}");
+}
+
+/// Layer-wise push: D cancels, then P aborts, while a layer's WRITE is stuck. The stream's end
+/// acknowledged D's cancel but, taking it for D's alone, ended nothing on P: the abort's
+/// `InFlight` was never followed by the send's event. The table now records P's abort.
+#[test]
+fn seed_643421006194_p_s_abort_after_d_s_cancel_mid_stream_still_ends_p_s_send() {
+    let report = run(643_421_006_194, Model::FULL);
+    assert!(report.passed(), "{report}");
 }

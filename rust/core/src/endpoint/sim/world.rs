@@ -49,11 +49,14 @@ pub(super) enum DState {
 #[derive(Debug)]
 pub(super) enum PState {
     Waiting,
-    /// `ready` was called by P incarnation `incarnation`, whose engine holds `blocks` (its
-    /// source) until the request's final event (or `abort` released it).
+    /// P incarnation `incarnation` computes the request (layer-wise push: `streamed` of its
+    /// regions handed over so far) or called `ready` (`offered`); its engine holds `blocks`
+    /// (the source) until the request's final event (or `abort` released it).
     Readied {
         incarnation: u32,
         blocks: Vec<u32>,
+        offered: bool,
+        streamed: u64,
         abort_sent: bool,
         notice: bool,
     },
@@ -206,6 +209,11 @@ impl World {
         }
     }
 
+    /// The request P incarnation `incarnation`'s engine holds `block` for.
+    pub(super) fn p_holder(&self, incarnation: u32, block: u32) -> Option<usize> {
+        self.p_owner.get(&incarnation).and_then(|owners| owners.get(block as usize).copied()?)
+    }
+
     pub(super) fn id(&self, request: usize) -> String {
         self.ids.iter().find(|(_, &i)| i == request).map_or_else(String::new, |(id, _)| id.clone())
     }
@@ -296,7 +304,9 @@ impl World {
         ending: Option<Ending>,
         event: &Event,
     ) {
-        let PState::Readied { incarnation: readied_by, blocks, notice, .. } = &mut self.p[request]
+        let PState::Readied {
+            incarnation: readied_by, blocks, notice, offered, abort_sent, ..
+        } = &mut self.p[request]
         else {
             let state = format!("{:?}", self.p[request]);
             self.violation(at, format!("P reported {event:?} for a request in state {state}"));
@@ -307,6 +317,11 @@ impl World {
                 at,
                 format!("P incarnation {incarnation} reported another's request: {event:?}"),
             );
+            return;
+        }
+        if ending.is_some() && !*offered && !*abort_sent {
+            // A stream's failure fails the send once its KV is offered, not before.
+            self.violation(at, format!("P reported {event:?} before its KV was offered"));
             return;
         }
         let Some(ending) = ending else {
