@@ -197,11 +197,14 @@ class StandInEvent:
 @dataclass
 class Behaviour:
     """What the endpoint double does with one request: raise ``error`` from ``ready`` /
-    ``expect`` / ``abort``, or end its transfer with ``outcome`` after ``polls`` polls."""
+    ``expect`` / ``abort``, or end its transfer with ``outcome`` after ``polls`` polls;
+    ``abort`` answers ``aborted`` (``IN_FLIGHT``: the send's event follows after ``polls``
+    polls)."""
 
     outcome: str = "done"
     error: BaseException | None = None
     polls: int = 0
+    aborted: kvpush.AbortOutcome = kvpush.AbortOutcome.UNKNOWN
 
 
 class EndpointDouble:
@@ -249,10 +252,15 @@ class EndpointDouble:
 
     def abort(self, request_id: str, transfer_id: str | None = None) -> kvpush.AbortOutcome:
         self.calls.append(("abort", request_id, transfer_id))
-        error = self._behaviour(request_id).error
-        if error is not None:
-            raise error
-        return kvpush.AbortOutcome.UNKNOWN
+        behaviour = self._behaviour(request_id)
+        if behaviour.error is not None:
+            raise behaviour.error
+        if behaviour.aborted == kvpush.AbortOutcome.IN_FLIGHT:
+            event = StandInEvent(
+                kvpush.Role.SEND, request_id, kvpush.Outcome.CANCELLED, "double: aborted"
+            )
+            self._due.append((behaviour.polls, event))
+        return behaviour.aborted
 
     def cancel(self, request_id: str) -> None:
         self.calls.append(("cancel", request_id, None))
@@ -361,6 +369,10 @@ class Run:
     recv_reports: Counter[str] = field(default_factory=Counter)
     send_reports: Counter[str] = field(default_factory=Counter)
     failed: set[str] = field(default_factory=set)
+    #: Steps each request was in the scheduler's hands (its blocks allocated) at their start.
+    held: Counter[str] = field(default_factory=Counter)
+    #: The step in which each send was reported finished.
+    sent_at: dict[str, int] = field(default_factory=dict)
 
 
 def run_engine(
@@ -383,6 +395,7 @@ def run_engine(
             scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
         if not scheduler.requests:
             break
+        run.held.update(list(scheduler.requests))
         out = scheduler.schedule()
         run.waited |= {
             r.request_id
@@ -398,6 +411,7 @@ def run_engine(
         assert results.failed_recving <= results.finished_recving
         run.recv_reports.update(results.finished_recving)
         run.send_reports.update(results.finished_sending)
+        run.sent_at.update(dict.fromkeys(results.finished_sending, step))
         run.failed |= results.failed_recving
         ids = list(out.num_scheduled_tokens)
         engine_outputs = scheduler.update_from_output(
@@ -834,6 +848,42 @@ def test_a_prompt_computed_in_one_step_streams_its_layers_as_its_send_will_name_
                 assert more[: len(group)] == group, f"{request_id}: a chunk's blocks moved"
         assert streamed[-2] == streamed[-1], f"{request_id}: streamed other KV than it sent"
     assert not [call for call in endpoint.calls if call[1] == "local"]
+
+
+@pytest.mark.parametrize(
+    "aborted",
+    [kvpush.AbortOutcome.IN_FLIGHT, kvpush.AbortOutcome.UNKNOWN, kvpush.AbortOutcome.RELEASED],
+)
+def test_a_prefill_aborted_mid_stream_keeps_its_blocks_until_no_write_can_read_them(
+    engine: Engine, aborted: kvpush.AbortOutcome
+) -> None:
+    """A chunked prompt streams its first chunk's layers, then the client drops it: vLLM keeps
+    its blocks (a layer's WRITE may still read them) until the worker reports the abort
+    settled, once: at the send's event when the endpoint answers ``IN_FLIGHT`` (a WRITE in
+    flight), at once otherwise. A prompt that never streamed is freed when aborted."""
+    polls = 4
+    endpoint = EndpointDouble({"chunked": Behaviour(polls=polls, aborted=aborted)})
+    scheduler = new_scheduler(engine.vllm_config, "fail")
+    connector = worker_connector(engine.vllm_config, push_worker(engine.cache, endpoint))
+    requests = [
+        new_request("chunked", 1500, {"do_remote_decode": True}),
+        new_request("waiting", 1500, {"do_remote_decode": True}),
+    ]
+    run = run_engine(scheduler, connector, requests, aborts={1: ["chunked", "waiting"]})
+    calls = [call for call, request_id, _ in endpoint.calls if request_id == "chunked"]
+    assert calls == ["layers_ready", "abort"], calls
+    assert run.send_reports == Counter({"chunked": 1})
+    # Step 0 computed its first chunk; aborted before step 1, whose metadata has the worker
+    # abort it: its blocks are held until vLLM reads the report, in the step it was made.
+    assert run.held["chunked"] == run.sent_at["chunked"] + 1, (run.held, run.sent_at)
+    if aborted == kvpush.AbortOutcome.IN_FLIGHT:
+        assert run.sent_at["chunked"] > 1, "reported before the send's event"
+    else:
+        assert run.sent_at["chunked"] == 1, "nothing in flight: reported in the abort's step"
+    # Behind it in the queue, it never streamed: freed at once, D told.
+    assert run.held["waiting"] == 1
+    assert [call for call, request_id, _ in endpoint.calls if request_id == "waiting"] == ["abort"]
+    assert not scheduler.requests
 
 
 def test_a_secret_in_the_kv_transfer_config_stops_the_engine_at_startup(

@@ -53,6 +53,9 @@ class PushScheduler:
         #: P, layer-wise push: prompts computed over several steps, with their blocks so far
         #: (per group) and their length, until the step of their last chunk.
         self._chunked: dict[str, tuple[list[list[int]], int]] = {}
+        #: P, layer-wise push: requests a step's streams named (their layers may have gone to D
+        #: with WRITEs still in flight), until they finish.
+        self._streamed: set[str] = set()
         #: P's identity, returned with every finished prefill's kv_transfer_params (engine id,
         #: side-channel host and base port, TP and PP sizes): a router that learns P from its
         #: answer (llm-d's push dispatch) forwards them to D, which needs nothing else.
@@ -280,8 +283,10 @@ class PushScheduler:
         workers report the send over; a prefill that ended otherwise is aborted (D is told).
         """
         refused_before = request_id in self._settled
+        streamed = request_id in self._streamed
         self._settled.discard(request_id)
         self._chunked.pop(request_id, None)
+        self._streamed.discard(request_id)
         read = self._read.pop(request_id, None)
         if request_id in self._receiving:
             # D: aborted while waiting for its KV. vLLM keeps the blocks until the workers
@@ -301,6 +306,12 @@ class PushScheduler:
                 )
             return False, None
         transfer_id = asked.transfer_id
+        if streamed and any(blocks) and not finished_normally:
+            # Aborted mid-stream: a layer's WRITE may still read its blocks, so vLLM keeps
+            # them until the workers report the abort settled (as a send finished).
+            self._pending.stream_aborts.append((request_id, transfer_id))
+            self._sending.add(request_id)
+            return True, None
         if not finished_normally or not any(blocks):
             self._pending.aborts.append((request_id, transfer_id))
             return False, None
@@ -369,8 +380,7 @@ class PushScheduler:
         # every prompt token's KV of a layer is final once this step ran the layer.
         end = num_computed + num_scheduled
         if end >= prompt_tokens:
-            send = self._send(request_id, asked.transfer_id, blocks, prompt_tokens)
-            self._pending.streams.append(send)
+            self._stream(self._send(request_id, asked.transfer_id, blocks, prompt_tokens))
         elif not (self._groups and self._groups.any_windowed):
             self._chunked[request_id] = ([list(group) for group in blocks], prompt_tokens)
             self._stream_chunk(request_id, asked, blocks, end)
@@ -406,8 +416,7 @@ class PushScheduler:
         del self._chunked[request_id]
         asked = self._streamed_decode(request_id, prompt_tokens)
         if asked is not None and any(blocks):
-            send = self._send(request_id, asked.transfer_id, blocks, prompt_tokens)
-            self._pending.streams.append(send)
+            self._stream(self._send(request_id, asked.transfer_id, blocks, prompt_tokens))
 
     def _stream_chunk(
         self,
@@ -424,7 +433,11 @@ class PushScheduler:
         count = -(-end // self._groups.block_size)
         chunk = [list(group[:count]) for group in blocks]
         if any(chunk):
-            self._pending.streams.append(self._send(request_id, asked.transfer_id, chunk, end))
+            self._stream(self._send(request_id, asked.transfer_id, chunk, end))
+
+    def _stream(self, send: SendRequest) -> None:
+        self._pending.streams.append(send)
+        self._streamed.add(send.request_id)
 
     def _streamed_decode(self, request_id: str, prompt_tokens: int) -> RemoteDecode | None:
         """The remote decode a prompt of ``prompt_tokens`` streams for, if ``layerwise`` says
@@ -444,6 +457,7 @@ class PushScheduler:
         (D, waiting for its KV)."""
         self._settled.discard(request_id)
         self._chunked.pop(request_id, None)
+        self._streamed.discard(request_id)
         self._read.pop(request_id, None)
         if request_id in self._receiving:
             self._pending.cancels.append(request_id)

@@ -95,7 +95,7 @@ class PushWorker:
         self._idle_step = False
         #: Aborts and cancels the endpoint refused because its writer was far behind
         #: (`BusyError`: nothing was done); each step tries them again first.
-        self._busy_aborts: list[tuple[str, str | None]] = []
+        self._busy_aborts: list[tuple[str, str | None, bool]] = []
         self._busy_cancels: list[str] = []
         #: Unix time of the endpoint clock's zero, taken once while the worker is quiet: two
         #: clock reads on a busy machine can be tens of ms apart, which would skew timelines.
@@ -223,9 +223,19 @@ class PushWorker:
             self._streams = self._layer_streams(metadata.streams)
         for send in metadata.sends:
             self._ready(send)
-        aborts, self._busy_aborts = [*self._busy_aborts, *metadata.aborts], []
-        for request_id, transfer_id in aborts:
-            self._abort(request_id, transfer_id)
+        aborts, self._busy_aborts = (
+            [
+                *self._busy_aborts,
+                *((request_id, transfer_id, False) for request_id, transfer_id in metadata.aborts),
+                *(
+                    (request_id, transfer_id, True)
+                    for request_id, transfer_id in metadata.stream_aborts
+                ),
+            ],
+            [],
+        )
+        for request_id, transfer_id, held in aborts:
+            self._abort(request_id, transfer_id, held)
         for recv in metadata.recvs:
             self._expect(recv)
         for refused in metadata.refused:
@@ -331,15 +341,18 @@ class PushWorker:
         self._sending.add(request_id)
         self._decided[request_id] = send.decided_at
 
-    def _abort(self, request_id: str, transfer_id: str | None) -> None:
+    def _abort(self, request_id: str, transfer_id: str | None, held: bool) -> None:
         """P: a prefill ended without KV to send; D is told if it registered. vLLM freed the
-        blocks already, so there is nothing to report."""
+        blocks already, unless the prefill streamed layers (``held``): then they are reported
+        free once no WRITE of them can be in flight, now or with the send's event."""
         self._gate.close_stream(request_id)
+        outcome = None
         try:
-            self.endpoint.abort(request_id, transfer_id)
+            outcome = self.endpoint.abort(request_id, transfer_id)
         except BusyError:
             # Nothing was done: the writer is far behind. Tried again with the next step's.
-            self._busy_aborts.append((request_id, transfer_id))
+            self._busy_aborts.append((request_id, transfer_id, held))
+            return
         except Exception as error:
             _log_failure(
                 error,
@@ -347,6 +360,12 @@ class PushWorker:
                 "or recomputes it when its receive times out",
                 request_id,
             )
+        if not held:
+            return
+        if outcome == kvpush.AbortOutcome.IN_FLIGHT:
+            self._sending.add(request_id)  # a layer's WRITE: its event reports the blocks free
+        else:
+            self._finished_sending.add(request_id)
 
     def _expect(self, recv: RecvRequest) -> None:
         """D: register the blocks of a remote prefill with P."""

@@ -83,6 +83,9 @@ class PushMetadata:
     #: P, layer-wise push: the KV the step's forward finishes, as its ``sends`` will name it.
     streams: list[SendRequest] = field(default_factory=list)
     aborts: list[tuple[str, str | None]] = field(default_factory=list)
+    #: P, layer-wise push: prefills aborted after a step streamed them. vLLM keeps their blocks
+    #: (a layer's WRITE may still read them) until the workers report each finished sending.
+    stream_aborts: list[tuple[str, str | None]] = field(default_factory=list)
     recvs: list[RecvRequest] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     refused: list[RecvRefused] = field(default_factory=list)
@@ -92,5 +95,11 @@ class PushMetadata:
 
     def __bool__(self) -> bool:
         return bool(
-            self.sends or self.streams or self.aborts or self.recvs or self.cancels or self.refused
+            self.sends
+            or self.streams
+            or self.aborts
+            or self.stream_aborts
+            or self.recvs
+            or self.cancels
+            or self.refused
         )
