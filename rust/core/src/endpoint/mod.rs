@@ -773,19 +773,10 @@ impl Endpoint {
     /// An error means no write will happen (e.g. D cancelled first, or [`EndpointError::Busy`]:
     /// the writer is behind): free the blocks now. Otherwise its event comes.
     pub fn ready(&self, ready: ReadyKv) -> Result<(), EndpointError> {
-        if let Err(refused) = self.admit_ready(&ready) {
-            // Layers of this KV may have streamed, or wait in the writer's inbox to: nothing may
-            // read its blocks once they are freed, so the transfer ends as an abort ends it (D
-            // is told). Where a layer's WRITE is in flight, the KV is taken after all: its send
-            // ends, cancelled, once that WRITE is done.
-            let (request_id, transfer_id) = (&ready.request_id, ready.transfer_id.as_deref());
-            let why = format!("P could not send request {request_id} ({refused})");
-            return match self.abort_admitted(request_id, transfer_id, &why) {
-                AbortOutcome::InFlight => Ok(()),
-                AbortOutcome::Released | AbortOutcome::Unknown => Err(refused),
-            };
-        }
         let key = TransferKey::for_request(ready.transfer_id.as_deref(), &ready.request_id);
+        if let Err(refused) = self.admit_ready(&ready) {
+            return self.end_refused(&key, &ready, refused);
+        }
         let now = self.shared.now();
         let deadline = now + ready.ttl;
         let ready = Arc::new(halves::Ready { kv: ready, at: now });
@@ -819,6 +810,33 @@ impl Endpoint {
             }
         }
         Ok(())
+    }
+
+    /// `ready` was refused before the table. Layers of it may have streamed, or wait in the
+    /// writer's inbox to: nothing may read its blocks once they are freed, so its transfer ends
+    /// as an abort ends it (D is told), or is fenced if nothing is there yet. Where a layer's
+    /// WRITE is in flight, the KV is taken after all: its send ends, cancelled, once that WRITE
+    /// is done. A key that holds another KV (a duplicate ready) is left alone.
+    fn end_refused(
+        &self,
+        key: &TransferKey,
+        ready: &ReadyKv,
+        refused: EndpointError,
+    ) -> Result<(), EndpointError> {
+        let group = lock(&self.shared.fanouts).get(key).map(fanout::FanOut::is_placed);
+        if group == Some(true) || self.shared.table.has_ready(key) {
+            return Err(refused);
+        }
+        let now = self.shared.now();
+        if group.is_none() && self.shared.table.fence_vacant(key, FenceReason::Cancelled, now) {
+            return Err(refused);
+        }
+        let (request_id, transfer_id) = (&ready.request_id, ready.transfer_id.as_deref());
+        let why = format!("P could not send request {request_id} ({refused})");
+        match self.abort_admitted(request_id, transfer_id, &why) {
+            AbortOutcome::InFlight => Ok(()),
+            AbortOutcome::Released | AbortOutcome::Unknown => Err(refused),
+        }
     }
 
     /// Whether the writer takes `ready` (before the table: a match once made must reach it).

@@ -718,6 +718,19 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             .is_some_and(|entry| !matches!(entry.state, State::Fenced { .. }))
     }
 
+    /// Whether `key` holds P's KV: waiting for D, matched, being written, or held for a stream.
+    pub fn has_ready(&self, key: &TransferKey) -> bool {
+        let (hash, shard) = self.shard(key);
+        shard
+            .entries
+            .find(hash, |entry| entry.key.hash == hash && entry.key.key == *key)
+            .is_some_and(|entry| match &entry.state {
+                State::Ready { .. } | State::Matched { .. } | State::InFlight { .. } => true,
+                State::Streaming { ready, .. } => ready.is_some(),
+                State::Registered { .. } | State::Fenced { .. } => false,
+            })
+    }
+
     /// Fences `key` as `reason` if the table holds nothing for it (a lapsed fence counts as
     /// nothing); true if it did. For a key whose halves went elsewhere: P's KV for a transfer
     /// written into several D ranks, whose every slot ended before the KV was ready.
