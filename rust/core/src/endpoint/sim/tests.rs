@@ -34,7 +34,12 @@ fn a_schedule_frees_everything_it_built() {
 
 /// Asserts that `seed`'s schedule (as drawn before layer-wise push) keeps every property.
 fn keeps_the_fence(seed: u64) {
-    let report = run(seed, Model::WHOLE_REQUESTS);
+    keeps_the_fence_in(seed, Model::WHOLE_REQUESTS);
+}
+
+/// Asserts that `seed`'s schedule under `model` keeps every property.
+fn keeps_the_fence_in(seed: u64, model: Model) {
+    let report = run(seed, model);
     assert!(report.passed(), "{report}");
 }
 
@@ -71,8 +76,7 @@ fn seed_427180299053_bytes_sent_after_tcp_gave_up_wait_for_no_backoff() {
 /// until the stream's WRITEs are done, and its send ends cancelled.
 #[test]
 fn seed_89_a_kv_offered_during_a_cancelled_stream_keeps_its_blocks_until_the_stream_ends() {
-    let report = run(89, Model::FULL);
-    assert!(report.passed(), "{report}");
+    keeps_the_fence_in(89, Model::FULL);
 }
 
 /// Layer-wise push: P aborts a request while a layer's WRITE is stuck (answered `InFlight`).
@@ -81,16 +85,14 @@ fn seed_89_a_kv_offered_during_a_cancelled_stream_keeps_its_blocks_until_the_str
 /// and D gets a FAIL.
 #[test]
 fn seed_285_a_prefill_aborted_mid_stream_ends_on_both_sides_once_the_stream_is_done() {
-    let report = run(285, Model::FULL);
-    assert!(report.passed(), "{report}");
+    keeps_the_fence_in(285, Model::FULL);
 }
 
 /// Layer-wise push: a layer's WRITE is stuck past the write timeout (a quarantine notice), then
 /// so is the request's own WRITE: a second notice for the same request. Now one per request.
 #[test]
 fn seed_642443057927_a_stuck_stream_and_its_stuck_write_give_one_notice() {
-    let report = run(642_443_057_927, Model::FULL);
-    assert!(report.passed(), "{report}");
+    keeps_the_fence_in(642_443_057_927, Model::FULL);
 }
 
 /// Layer-wise push: D cancels, then P aborts, while a layer's WRITE is stuck. The stream's end
@@ -98,6 +100,5 @@ fn seed_642443057927_a_stuck_stream_and_its_stuck_write_give_one_notice() {
 /// `InFlight` was never followed by the send's event. The table now records P's abort.
 #[test]
 fn seed_643421006194_p_s_abort_after_d_s_cancel_mid_stream_still_ends_p_s_send() {
-    let report = run(643_421_006_194, Model::FULL);
-    assert!(report.passed(), "{report}");
+    keeps_the_fence_in(643_421_006_194, Model::FULL);
 }
