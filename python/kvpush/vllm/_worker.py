@@ -223,17 +223,13 @@ class PushWorker:
             self._streams = self._layer_streams(metadata.streams)
         for send in metadata.sends:
             self._ready(send)
-        aborts, self._busy_aborts = (
-            [
-                *self._busy_aborts,
-                *((request_id, transfer_id, False) for request_id, transfer_id in metadata.aborts),
-                *(
-                    (request_id, transfer_id, True)
-                    for request_id, transfer_id in metadata.stream_aborts
-                ),
-            ],
-            [],
-        )
+        # Each with whether vLLM holds its blocks until reported (it streamed layers).
+        aborts = [
+            *self._busy_aborts,
+            *((request, transfer, False) for request, transfer in metadata.aborts),
+            *((request, transfer, True) for request, transfer in metadata.stream_aborts),
+        ]
+        self._busy_aborts = []
         for request_id, transfer_id, held in aborts:
             self._abort(request_id, transfer_id, held)
         for recv in metadata.recvs:
