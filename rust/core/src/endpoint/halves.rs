@@ -35,6 +35,11 @@ impl Registration {
             detail,
         }
     }
+
+    /// The FAIL that tells D P will not send (`why`): it recomputes the request itself.
+    pub(crate) fn aborted(&self, why: &str) -> Fail {
+        self.fail(FailReason::Aborted, format!("{why}; recompute it locally"))
+    }
 }
 
 /// P's ready KV as the table holds it.

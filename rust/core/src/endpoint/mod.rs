@@ -80,7 +80,7 @@ use crate::clock::{BootInstant, Clock, SystemClock};
 use crate::key::TransferKey;
 use crate::layout::KvLayout;
 use crate::loopback::LoopbackTransport;
-use crate::protocol::{BlockGroup, FailReason, Hello, Limits, Secret, PROTOCOL_VERSION};
+use crate::protocol::{BlockGroup, Hello, Limits, Secret, PROTOCOL_VERSION};
 use crate::rendezvous::{
     Arrival, Cancelled, Epoch, FenceReason, RendezvousError, RendezvousTable, TableConfig,
 };
@@ -930,8 +930,7 @@ impl Endpoint {
             Cancelled::Deferred => AbortOutcome::InFlight,
             Cancelled::Removed { registration, .. } => {
                 if let Some(registration) = registration {
-                    let fail = registration
-                        .fail(FailReason::Aborted, format!("{why}; recompute it locally"));
+                    let fail = registration.aborted(why);
                     self.shared.send(Command::Fail { peer: registration.peer, fail });
                 }
                 AbortOutcome::Released
@@ -957,8 +956,7 @@ impl Endpoint {
                 Cancelled::Deferred => in_flight = true,
                 Cancelled::Removed { registration, ready } => {
                     if let Some(registration) = registration {
-                        let fail = registration
-                            .fail(FailReason::Aborted, format!("{why}; recompute it locally"));
+                        let fail = registration.aborted(why);
                         self.shared.send(Command::Fail { peer: registration.peer, fail });
                     }
                     if ready.is_some() {

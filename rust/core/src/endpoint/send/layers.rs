@@ -401,8 +401,7 @@ impl Sends {
                 // to).
                 let aborted = ended.aborted;
                 if aborted && owed.is_none() {
-                    let detail = format!("P aborted request {request_id}; recompute it locally");
-                    let fail = registration.fail(FailReason::Aborted, detail);
+                    let fail = registration.aborted(&format!("P aborted request {request_id}"));
                     cx.send(registration.peer, Message::Fail(fail));
                 }
                 match (ready, streamed) {
