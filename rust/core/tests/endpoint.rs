@@ -3,7 +3,11 @@
 #![cfg(not(loom))]
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns: a failure is the test failing
 
-use std::sync::{Arc, Condvar, Mutex};
+mod support;
+
+use support::{Fault, Faulty, Gate, Posted};
+
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpush_core::endpoint::{
@@ -12,7 +16,6 @@ use kvpush_core::endpoint::{
 };
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::loopback::LoopbackTransport;
-use kvpush_core::planner::DescriptorRun;
 use kvpush_core::protocol::{
     unix_millis, BlockGroup, Cancel, Done, Encoder, Hello, Message, Register, Secret,
     PROTOCOL_VERSION,
@@ -20,17 +23,12 @@ use kvpush_core::protocol::{
 use kvpush_core::side_channel::{
     ControlHandler, PeerId, PeerInfo, Refusal, SideChannel, SideChannelConfig,
 };
-use kvpush_core::transport::{
-    MemoryRegion, MemorySpace, Notification, Transport, TransportError, WriteId, WriteState,
-};
+use kvpush_core::transport::{MemoryRegion, MemorySpace, Transport};
 
 const TOKEN_BYTES: u64 = 16; // 2 heads x 8 bytes
 const SECRET: &[u8] = b"endpoint-test-shared-secret";
 const REGIONS: u64 = 4;
 const BLOCKS: u32 = 32;
-
-/// A WRITE an endpoint's transport posted: its bytes, and whether it carried a notification.
-type Posted = (u64, bool);
 
 /// A worker's KV memory: `REGIONS` regions of `BLOCKS` blocks of `block_tokens` tokens.
 struct Cache {
@@ -132,16 +130,7 @@ impl Cache {
         let inner = LoopbackTransport::new(name).unwrap().with_polls_until_done(2);
         let claimed = claimed.map(str::to_owned);
         let posts = Arc::clone(&self.posts);
-        let mut transport = Faulty {
-            inner,
-            fault,
-            stuck: Vec::new(),
-            slow: Vec::new(),
-            gate,
-            claimed,
-            posts,
-            failing: Vec::new(),
-        };
+        let mut transport = Faulty::new(inner, fault, gate, claimed, posts);
         let region = MemoryRegion {
             addr: self.memory.as_ptr() as u64,
             len: self.memory.len() as u64,
@@ -155,142 +144,6 @@ impl Cache {
         config.peer_timeout = Duration::from_millis(1_000);
         tune(&mut config);
         Endpoint::start(config, transport).unwrap()
-    }
-}
-
-/// How a [`Faulty`] transport misbehaves.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Fault {
-    None,
-    /// Every WRITE stays in progress, and the transport cannot release it.
-    StuckWrites,
-    /// Posting a WRITE panics (a bug in the writer's thread).
-    PanicOnPost,
-    /// Every WRITE stays in progress for this long after its post (a slow link, a paused
-    /// host), then completes.
-    SlowWrites(Duration),
-    /// Every WRITE that notifies nobody (a layer of a stream) fails when polled.
-    FailingSilentWrites,
-}
-
-/// The loopback transport with a fault injected.
-struct Faulty {
-    inner: LoopbackTransport,
-    fault: Fault,
-    stuck: Vec<WriteId>,
-    /// `SlowWrites`: when each posted WRITE may complete.
-    slow: Vec<(WriteId, Instant)>,
-    /// Holds every `take_notifications` until it opens: a writer stuck in a transport call.
-    gate: Option<Gate>,
-    /// The agent name the transport gives instead of its own (its metadata stays its own).
-    claimed: Option<String>,
-    /// Where every WRITE posted is logged (see `Cache::posts`).
-    posts: Arc<Mutex<Vec<Posted>>>,
-    /// `FailingSilentWrites`: the writes that fail.
-    failing: Vec<WriteId>,
-}
-
-/// A transport call held until the test opens it.
-#[derive(Clone)]
-struct Gate(Arc<(Mutex<GateState>, Condvar)>);
-
-#[derive(Default)]
-struct GateState {
-    open: bool,
-    /// A caller is held at the gate now.
-    holding: bool,
-}
-
-impl Gate {
-    fn closed() -> Self {
-        Self(Arc::new((Mutex::new(GateState::default()), Condvar::new())))
-    }
-
-    /// Waits here until the gate opens.
-    fn pass(&self) {
-        let (state, changed) = &*self.0;
-        let mut state = state.lock().unwrap();
-        state.holding = !state.open;
-        changed.notify_all();
-        while !state.open {
-            state = changed.wait(state).unwrap();
-        }
-        state.holding = false;
-    }
-
-    fn open(&self) {
-        let (state, changed) = &*self.0;
-        state.lock().unwrap().open = true;
-        changed.notify_all();
-    }
-
-    /// Waits until a caller (the writer) is held at the gate.
-    fn wait_holding(&self) {
-        let (state, changed) = &*self.0;
-        let state = state.lock().unwrap();
-        let (state, _) =
-            changed.wait_timeout_while(state, Duration::from_secs(5), |s| !s.holding).unwrap();
-        assert!(state.holding, "the writer never reached the transport");
-    }
-}
-
-impl Transport for Faulty {
-    fn name(&self) -> &str {
-        self.claimed.as_deref().unwrap_or_else(|| self.inner.name())
-    }
-    unsafe fn register_memory(&mut self, regions: &[MemoryRegion]) -> Result<(), TransportError> {
-        // SAFETY: forwarded; the caller's promise covers the inner transport too.
-        unsafe { self.inner.register_memory(regions) }
-    }
-    fn metadata(&mut self) -> Result<Vec<u8>, TransportError> {
-        self.inner.metadata()
-    }
-    fn add_peer(&mut self, metadata: &[u8]) -> Result<String, TransportError> {
-        self.inner.add_peer(metadata)
-    }
-    fn remove_peer(&mut self, peer: &str) -> Result<(), TransportError> {
-        self.inner.remove_peer(peer)
-    }
-    fn post_write(
-        &mut self,
-        peer: &str,
-        runs: &[DescriptorRun],
-        local: MemorySpace,
-        remote: MemorySpace,
-        notification: Option<&[u8]>,
-    ) -> Result<WriteId, TransportError> {
-        assert!(self.fault != Fault::PanicOnPost, "injected: the writer thread panics");
-        let write = self.inner.post_write(peer, runs, local, remote, notification)?;
-        let bytes = runs.iter().map(|run| run.len).sum();
-        self.posts.lock().unwrap().push((bytes, notification.is_some()));
-        match self.fault {
-            Fault::StuckWrites => self.stuck.push(write),
-            Fault::SlowWrites(delay) => self.slow.push((write, Instant::now() + delay)),
-            Fault::FailingSilentWrites if notification.is_none() => self.failing.push(write),
-            Fault::None | Fault::PanicOnPost | Fault::FailingSilentWrites => {}
-        }
-        Ok(write)
-    }
-    fn poll_write(&mut self, write: WriteId) -> Result<WriteState, TransportError> {
-        if let Some(i) = self.failing.iter().position(|&w| w == write) {
-            self.failing.swap_remove(i);
-            let _ = self.inner.poll_write(write);
-            return Err(TransportError::new("poll_write", "injected: the WRITE failed"));
-        }
-        let slow = self.slow.iter().any(|&(w, at)| w == write && Instant::now() < at);
-        if slow || self.stuck.contains(&write) {
-            return Ok(WriteState::InProgress);
-        }
-        self.inner.poll_write(write)
-    }
-    fn send_notification(&mut self, peer: &str, payload: &[u8]) -> Result<(), TransportError> {
-        self.inner.send_notification(peer, payload)
-    }
-    fn take_notifications(&mut self, out: &mut Vec<Notification>) -> Result<(), TransportError> {
-        if let Some(gate) = &self.gate {
-            gate.pass();
-        }
-        self.inner.take_notifications(out)
     }
 }
 
