@@ -1554,6 +1554,8 @@ fn a_prefill_aborted_mid_stream_fails_d_s_receive_once_the_layer_s_write_is_done
     assert!(eventually(|| p.stats().streamed_writes == 1));
     // The layer's WRITE still reads P's blocks: the abort waits for it.
     assert_eq!(p.abort("req-lw-abort", None).unwrap(), AbortOutcome::InFlight);
+    // The forward pass goes on meanwhile; its next layer must not go.
+    p.layers_ready(ready("req-lw-abort", &[3, 4], 20), 1..2).unwrap();
     let received = events(&d, 1);
     assert!(
         matches!(&received[..], [Event { outcome: Outcome::Failed(reason), .. }] if reason.contains("aborted")),

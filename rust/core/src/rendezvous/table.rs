@@ -718,6 +718,28 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             .is_some_and(|entry| !matches!(entry.state, State::Fenced { .. }))
     }
 
+    /// Whether the stream of `key` at `epoch` should go on writing layers: nobody cancelled it
+    /// (neither D nor P's abort) and D did not register again meanwhile. A stream that does not
+    /// stand posts nothing more and ends once its WRITEs in flight are done.
+    pub fn stream_stands(&self, key: &TransferKey, epoch: Epoch) -> bool {
+        let (hash, shard) = self.shard(key);
+        shard
+            .entries
+            .find(hash, |entry| entry.key.hash == hash && entry.key.key == *key)
+            .is_some_and(|entry| {
+                matches!(
+                    entry.state,
+                    State::Streaming {
+                        epoch: streaming,
+                        after: AfterWrite::End,
+                        ack_owed: false,
+                        aborted: false,
+                        ..
+                    } if streaming == epoch
+                )
+            })
+    }
+
     /// Whether `key` holds P's KV: waiting for D, matched, being written, or held for a stream.
     pub fn has_ready(&self, key: &TransferKey) -> bool {
         let (hash, shard) = self.shard(key);

@@ -810,6 +810,29 @@ fn a_cancel_during_a_stream_is_acknowledged_when_it_ends() {
 }
 
 #[test]
+fn a_stream_stands_until_d_cancels_p_aborts_or_d_registers_again() {
+    let (table, c) = (table(), Clock::new());
+    for (name, stop) in [("d-cancel", 0), ("p-abort", 1), ("re-register", 2)] {
+        waiting(table.register(key(name), 1, "d", c.at(100), c.at(0)));
+        assert!(!table.stream_stands(&key(name), 1), "{name}: no stream yet");
+        started(table.begin_stream(&key(name), c.at(0)));
+        assert!(table.stream_stands(&key(name), 1), "{name}");
+        assert!(!table.stream_stands(&key(name), 2), "{name}: another epoch's stream");
+        // P's KV coming meanwhile leaves the stream standing.
+        waiting(table.ready(key(name), vec![1], c.at(100), c.at(1)));
+        assert!(table.stream_stands(&key(name), 1), "{name}: with P's KV held");
+        match stop {
+            0 => assert_eq!(table.cancel(&key(name), Some(1), c.at(2)), Cancelled::Deferred),
+            1 => assert_eq!(table.cancel(&key(name), None, c.at(2)), Cancelled::Deferred),
+            _ => assert_eq!(waiting(table.register(key(name), 2, "d2", c.at(100), c.at(2))), None),
+        }
+        assert!(!table.stream_stands(&key(name), 1), "{name}: writes nothing more");
+        table.end_stream(&key(name), 1, "d", c.at(3)).unwrap();
+        assert!(!table.stream_stands(&key(name), 1), "{name}: ended");
+    }
+}
+
+#[test]
 fn a_reregistration_during_a_stream_replaces_the_streamed_one_when_it_ends() {
     let (table, c) = (table(), Clock::new());
     // Without P's KV: the newer registration waits, and is what streams next.

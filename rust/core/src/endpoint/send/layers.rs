@@ -247,7 +247,10 @@ impl Sends {
                 let needs = |g: &BlockGroup| g.first_token < kv.kv.num_tokens;
                 (groups.iter().all(needs), !groups.iter().any(needs))
             });
-            if continues && stream.failed.is_none() {
+            // A stream cancelled meanwhile (by D, or by P's abort) writes nothing more: its end
+            // waits only for what is in flight.
+            let stands = || cx.shared.table.stream_stands(&key, stream.epoch);
+            if continues && stream.failed.is_none() && stands() {
                 match needed {
                     (true, _) => {
                         if let Some(registration) = stream.registration.take() {
