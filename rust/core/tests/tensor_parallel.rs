@@ -5,15 +5,20 @@
 #![cfg(not(loom))]
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns: a failure is the test failing
 
+mod support;
+
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpush_core::endpoint::{
-    Endpoint, EndpointConfig, Event, Expectation, Outcome, ReadyKv, Reason, Role, Share,
+    AbortOutcome, Endpoint, EndpointConfig, Event, Expectation, Outcome, ReadyKv, Reason, Role,
+    Share,
 };
 use kvpush_core::layout::{KvLayout, Region, TokenOrder};
 use kvpush_core::loopback::LoopbackTransport;
 use kvpush_core::protocol::BlockGroup;
 use kvpush_core::transport::{MemoryRegion, MemorySpace, Transport};
+use support::{Fault, Faulty, Gate};
 
 /// KV heads of the whole model.
 const MODEL_HEADS: u32 = 4;
@@ -114,7 +119,20 @@ impl Rank {
     }
 
     fn endpoint(&self, name: &str) -> Endpoint {
-        let mut transport = LoopbackTransport::new(name).unwrap().with_polls_until_done(2);
+        self.endpoint_with(name, Fault::None, None, |_| {})
+    }
+
+    /// An endpoint whose transport misbehaves as `fault` says and whose writer is held at
+    /// `gate` while it is closed, configured by `tune`.
+    fn endpoint_with(
+        &self,
+        name: &str,
+        fault: Fault,
+        gate: Option<&Gate>,
+        tune: impl FnOnce(&mut EndpointConfig),
+    ) -> Endpoint {
+        let inner = LoopbackTransport::new(name).unwrap().with_polls_until_done(2);
+        let mut transport = Faulty::new(inner, fault, gate.cloned(), None, Arc::default());
         let region = MemoryRegion {
             addr: self.memory.as_ptr() as u64,
             len: self.memory.len() as u64,
@@ -126,6 +144,7 @@ impl Rank {
         config.secret = Some(b"tensor-parallel-test-secret".to_vec());
         config.heartbeat_interval = Duration::from_millis(100);
         config.peer_timeout = Duration::from_millis(1_000);
+        tune(&mut config);
         Endpoint::start(config, transport).unwrap()
     }
 }
@@ -530,4 +549,150 @@ fn a_transfer_for_several_d_ranks_is_forgotten_when_its_kv_never_comes() {
     assert!(eventually(|| p[0].fanouts() == 0), "the lost D ranks' group stayed");
     assert_eq!(p[0].pending(), 0);
     assert_eq!(p[0].stats().purged_registrations, 2);
+}
+
+/// P tp1 and D tp2 for the layer-wise cases: P's rank (its KV computed in blocks 1-3), D's two
+/// ranks (receiving into blocks 4-6 and 7-9), and P's endpoint made by `p_endpoint`.
+struct FanOut {
+    p_rank: Rank,
+    d_ranks: Vec<Rank>,
+}
+
+const FAN_TOKENS: u64 = 10;
+const FAN_P_BLOCKS: [u32; 3] = [1, 2, 3];
+const FAN_D_BLOCKS: [[u32; 3]; 2] = [[4, 5, 6], [7, 8, 9]];
+
+impl FanOut {
+    fn new() -> Self {
+        let mut p_rank = Rank::new(0, 1, 0xee);
+        p_rank.compute(&FAN_P_BLOCKS, FAN_TOKENS);
+        Self { p_rank, d_ranks: (0..2).map(|r| Rank::new(r, 2, 0)).collect() }
+    }
+
+    fn d_endpoints(&self, name: &str) -> Vec<Endpoint> {
+        self.d_ranks.iter().map(|r| r.endpoint(&format!("{name}-d{}", r.tp_rank))).collect()
+    }
+
+    /// D rank `rank` registers with P and waits until P's table holds `pending` registrations.
+    fn register(&self, p: &[Endpoint], d: &[Endpoint], rank: u32, pending: usize) {
+        let blocks = &FAN_D_BLOCKS[rank as usize];
+        d[rank as usize].expect(expectation_of_rank(p, rank, 2, blocks, FAN_TOKENS)).unwrap();
+        assert!(eventually(|| p[0].pending() == pending), "D rank {rank} never reached P");
+    }
+
+    /// Nothing landed in D's second region (the layer P did not stream) of any rank.
+    fn second_region_untouched(&self) -> bool {
+        self.d_ranks.iter().all(|r| r.memory[r.memory.len() / 2..].iter().all(|&b| b == 0))
+    }
+}
+
+fn p_request() -> ReadyKv {
+    ready("p-request", &FAN_P_BLOCKS, FAN_TOKENS)
+}
+
+/// D rank 1 registers only after P streamed its first layer into rank 0: rank 0 receives the
+/// rest in its request's WRITE, rank 1 every layer in its own, and each gets exactly its heads.
+#[test]
+fn a_d_rank_registering_after_a_layer_streamed_receives_every_layer_in_its_write() {
+    let fan = FanOut::new();
+    let p = vec![fan.p_rank.endpoint("late-lw-p")];
+    let d = fan.d_endpoints("late-lw");
+    fan.register(&p, &d, 0, 1);
+    p[0].layers_ready(p_request(), 0..1).unwrap();
+    assert!(eventually(|| p[0].stats().streamed_writes == 1), "the first layer never streamed");
+    fan.register(&p, &d, 1, 2);
+    // Rank 0's stream goes on; rank 1's would not continue what it holds (nothing), so its
+    // request's WRITE carries both layers.
+    p[0].layers_ready(p_request(), 1..2).unwrap();
+    assert!(eventually(|| p[0].stats().streamed_writes == 2), "the second layer never streamed");
+    p[0].ready(p_request()).unwrap();
+    let half = REGIONS * FAN_TOKENS * 2 * HEAD_BYTES;
+    for endpoint in &d {
+        let received = events(endpoint, 1);
+        assert_eq!(received.len(), 1, "{received:?}");
+        assert_eq!((&received[0].outcome, received[0].bytes), (&Outcome::Done, half));
+    }
+    let sent = events(&p[0], 1);
+    assert_eq!(sent.len(), 1, "one send event for both slots: {sent:?}");
+    assert_eq!(sent[0].outcome, Outcome::Done, "{sent:?}");
+    assert_eq!((sent[0].bytes, sent[0].streamed_bytes), (2 * half, half), "{sent:?}");
+    no_more_events(&p[0], Duration::from_millis(100));
+    drop((p, d));
+    for (rank, blocks) in fan.d_ranks.iter().zip(FAN_D_BLOCKS) {
+        rank.check(&blocks, FAN_TOKENS);
+    }
+}
+
+/// P's KV is refused (its TTL is past the maximum) while a layer of it waits in the stuck writer's
+/// inbox and D rank 1's registration arrived meanwhile: P's engine frees the blocks, so the
+/// layer must never be written into either rank, and each D rank hears that P will not send.
+#[test]
+fn a_kv_refused_with_a_layer_queued_before_a_d_rank_s_late_registration_is_never_read() {
+    let fan = FanOut::new();
+    let gate = Gate::closed();
+    let p = vec![fan.p_rank.endpoint_with("refused-lw-p", Fault::None, Some(&gate), |_| {})];
+    let d = fan.d_endpoints("refused-lw");
+    // D rank 1 connects first (another transfer), so that its registration below reaches P's
+    // table while P's writer is stuck.
+    let mut warm_up = expectation_of_rank(&p, 1, 2, &[10, 11], 4);
+    warm_up.request_id = "warm-up".into();
+    warm_up.transfer_id = Some("xfer-warm-up".into());
+    d[1].expect(warm_up).unwrap();
+    assert!(eventually(|| p[0].pending() == 1), "D rank 1 never reached P");
+    fan.register(&p, &d, 0, 2);
+    gate.wait_holding();
+    p[0].layers_ready(p_request(), 0..1).unwrap();
+    fan.register(&p, &d, 1, 3);
+    let too_long = Duration::from_secs(u64::from(u32::MAX));
+    let refused = p[0].ready(ReadyKv { ttl: too_long, ..p_request() });
+    assert!(refused.is_err(), "P's KV with a TTL of a century was taken: {refused:?}");
+    gate.open();
+    for endpoint in &d {
+        let received: Vec<Event> =
+            events(endpoint, 1).into_iter().filter(|e| e.request_id == "d-request").collect();
+        assert_eq!(received.len(), 1, "{received:?}");
+        let cause = received[0].outcome.cause().expect("failed");
+        assert_eq!(cause.reason, Reason::Aborted, "{cause:?}");
+        assert!(cause.detail.contains("could not send"), "{cause:?}");
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(p[0].stats().streamed_writes, 0, "a layer read blocks P's engine freed");
+    no_more_events(&d[0], Duration::from_millis(50));
+    drop((p, d));
+    assert!(fan.d_ranks.iter().all(|r| r.memory.iter().all(|&b| b == 0)), "nothing landed");
+}
+
+/// P aborts the prefill while its first layer's WRITEs into both D ranks are in flight: the
+/// abort waits for them, then each D rank fails once and P's send ends once (cancelled), and
+/// nothing of the second layer is written.
+#[test]
+fn a_prefill_aborted_mid_stream_fails_every_d_rank_once_the_layer_s_writes_are_done() {
+    let fan = FanOut::new();
+    let slow = Fault::SlowWrites(Duration::from_millis(300));
+    let p = vec![fan.p_rank.endpoint_with("abort-lw-p", slow, None, |_| {})];
+    let d = fan.d_endpoints("abort-lw");
+    fan.register(&p, &d, 0, 1);
+    fan.register(&p, &d, 1, 2);
+    p[0].layers_ready(p_request(), 0..1).unwrap();
+    assert!(eventually(|| p[0].stats().streamed_writes == 2), "the layer never streamed");
+    let outcome = p[0].abort("p-request", Some("xfer-tp")).unwrap();
+    assert_eq!(outcome, AbortOutcome::InFlight, "the layer's WRITEs still read P's blocks");
+    // The forward pass goes on meanwhile; its next layer must not go.
+    p[0].layers_ready(p_request(), 1..2).unwrap();
+    for endpoint in &d {
+        let received = events(endpoint, 1);
+        assert_eq!(received.len(), 1, "{received:?}");
+        assert_eq!(received[0].outcome.cause().map(|c| c.reason), Some(Reason::Aborted));
+    }
+    let sent = events(&p[0], 1);
+    assert_eq!(sent.len(), 1, "one send event for both slots: {sent:?}");
+    assert!(matches!(sent[0].outcome, Outcome::Cancelled(_)), "{sent:?}");
+    assert_eq!(sent[0].outcome.cause().map(|c| c.reason), Some(Reason::Aborted));
+    no_more_events(&p[0], Duration::from_millis(100));
+    for endpoint in &d {
+        no_more_events(endpoint, Duration::from_millis(50));
+    }
+    assert_eq!(p[0].stats().streamed_writes, 2, "a WRITE after the abort");
+    drop((p, d));
+    assert!(fan.second_region_untouched(), "the second layer landed after the abort");
 }

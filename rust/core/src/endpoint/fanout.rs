@@ -50,6 +50,10 @@ pub(crate) struct FanOut {
     runs: u32,
     /// Of `bytes`, those streamed layer by layer (see `Endpoint::layers_ready`).
     streamed_bytes: u64,
+    /// P aborted the transfer before placing its KV, while layers were being written into some
+    /// slots, and answered `InFlight`: the send's event is owed once the last of those streams
+    /// ended (see [`release`]).
+    owes_abort: bool,
 }
 
 impl FanOut {
@@ -62,6 +66,7 @@ impl FanOut {
             bytes: 0,
             runs: 0,
             streamed_bytes: 0,
+            owes_abort: false,
         }
     }
 
@@ -73,6 +78,19 @@ impl FanOut {
     /// P's KV, once placed.
     pub(crate) fn ready(&self) -> Option<&Arc<Ready>> {
         self.ready.as_ref()
+    }
+
+    /// P aborted the transfer with a stream's WRITE in flight, before its KV was placed: the
+    /// send ends when the group goes.
+    pub(crate) fn abort_in_flight(&mut self) {
+        self.owes_abort = !self.is_placed();
+    }
+
+    /// Whether the send's event is the group's to report as it goes (see [`abort_in_flight`]).
+    ///
+    /// [`abort_in_flight`]: Self::abort_in_flight
+    pub(crate) fn owes_abort(&self) -> bool {
+        self.owes_abort
     }
 
     /// Whether every slot ended.
@@ -145,24 +163,26 @@ pub(crate) fn place(
 }
 
 /// A slot registration of `base` left the table without being written. If P's KV was never
-/// placed and no slot holds a registration now, the group goes, and `base` is fenced as `fence`
-/// (when given, and when the table holds nothing for it). Takes the groups' lock, then the
-/// table's: never call it with a table shard locked.
+/// placed and no slot holds a registration now, the group goes (returned: the caller reports
+/// the send if it [owes](FanOut::owes_abort) it), and `base` is fenced as `fence` (when given,
+/// and when the table holds nothing for it). Takes the groups' lock, then the table's: never
+/// call it with a table shard locked.
 pub(crate) fn release(
     shared: &Shared,
     base: &TransferKey,
     fence: Option<FenceReason>,
     now: Instant,
-) {
+) -> Option<FanOut> {
     let mut groups = lock(&shared.fanouts);
-    let Some(group) = groups.get(base) else { return };
+    let group = groups.get(base)?;
     if group.is_placed() || (0..group.slots).any(|slot| shared.table.is_live(&base.slot(slot))) {
-        return;
+        return None;
     }
-    groups.remove(base);
+    let group = groups.remove(base);
     if let Some(reason) = fence {
         shared.table.fence_vacant(base, reason, now);
     }
+    group
 }
 
 #[cfg(test)]

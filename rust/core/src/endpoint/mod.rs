@@ -967,6 +967,8 @@ impl Endpoint {
             }
         }
         if in_flight {
+            // A stream's WRITE, before P's KV was placed: the group owes the send's event.
+            group.abort_in_flight();
             AbortOutcome::InFlight
         } else {
             AbortOutcome::Released

@@ -782,9 +782,13 @@ pub(super) fn expire_sends<T: Transport>(cx: &mut Context<T>, now: Instant) {
 }
 
 /// A registration under `key` left the table unwritten: if `key` is a slot of a transfer
-/// written into several D ranks, its group may go with it (see `fanout::release`).
-fn release_slot(shared: &Shared, key: &TransferKey, fence: FenceReason, now: Instant) {
-    if let Some((base, _)) = key.split_slot() {
-        fanout::release(shared, &base, Some(fence), now);
-    }
+/// written into several D ranks, its group may go with it (returned; see `fanout::release`).
+fn release_slot(
+    shared: &Shared,
+    key: &TransferKey,
+    fence: FenceReason,
+    now: Instant,
+) -> Option<fanout::FanOut> {
+    let (base, _) = key.split_slot()?;
+    fanout::release(shared, &base, Some(fence), now)
 }

@@ -399,14 +399,17 @@ impl Sends {
                 let streamed = self.streams.remove(key);
                 // P's abort: now that no WRITE of the stream can land, D hears it unless it
                 // cancelled too (acknowledged above; otherwise it would wait for the KV until
-                // its TTL), and P's send ends, as the abort's `InFlight` promised (a transfer
-                // written into several D ranks ends with its last slot, as `release_slot` sees
-                // to).
+                // its TTL), and P's send ends, as the abort's `InFlight` promised: a transfer
+                // written into several D ranks ends with its group, once no slot streams.
                 let aborted = ended.aborted;
                 if aborted && owed.is_none() {
                     let fail = registration.aborted(&format!("P aborted request {request_id}"));
                     cx.send(registration.peer, Message::Fail(fail));
                 }
+                let abort_ended = || {
+                    let detail = format!("P aborted request {request_id}");
+                    Outcome::cancelled(Reason::Aborted, detail)
+                };
                 match (ready, streamed) {
                     (Some(ready), _) => {
                         let detail = format!("D cancelled transfer {key}");
@@ -414,11 +417,16 @@ impl Sends {
                         report_send(cx, &ready, key.as_str(), outcome, None);
                     }
                     (None, Some(stream)) if aborted && key.split_slot().is_none() => {
-                        let detail = format!("P aborted request {request_id}");
-                        let outcome = Outcome::cancelled(Reason::Aborted, detail);
-                        report_send(cx, &stream.kv, key.as_str(), outcome, None);
+                        report_send(cx, &stream.kv, key.as_str(), abort_ended(), None);
                     }
-                    (None, _) => release_slot(&cx.shared, key, FenceReason::Cancelled, now),
+                    (None, streamed) => {
+                        let group = release_slot(&cx.shared, key, FenceReason::Cancelled, now);
+                        if let (Some(stream), Some((base, _))) = (streamed, key.split_slot()) {
+                            if group.is_some_and(|group| group.owes_abort()) {
+                                report_send(cx, &stream.kv, base.as_str(), abort_ended(), None);
+                            }
+                        }
+                    }
                 }
             }
             AfterStream::Waiting { superseded } => {
@@ -459,7 +467,9 @@ impl Sends {
                     let outcome = Outcome::failed(Reason::WriteError, detail);
                     report_send(cx, &ready, key.as_str(), outcome, None);
                 }
-                None => release_slot(&cx.shared, key, FenceReason::Cancelled, now),
+                None => {
+                    release_slot(&cx.shared, key, FenceReason::Cancelled, now);
+                }
             }
         }
         // Anything else: D cancelled, or the key ended, meanwhile; D heard of it already.
