@@ -455,18 +455,10 @@ impl Sends {
         self.notice_overdue_partials(cx, now);
     }
 
+    /// Polls the requests' WRITEs and the streams' (see `poll_partials`); each finished one
+    /// ends.
     pub(super) fn poll_writes<T: Transport>(&mut self, cx: &mut Context<T>) {
-        let mut i = 0;
-        while i < self.in_flight.len() {
-            let result = match cx.transport.poll_write(self.in_flight[i].write) {
-                Ok(WriteState::InProgress) => {
-                    i += 1;
-                    continue;
-                }
-                Ok(WriteState::Done) => Ok(()),
-                Err(e) => Err(e),
-            };
-            let w = self.in_flight.swap_remove(i);
+        for (w, result) in finished(&mut cx.transport, &mut self.in_flight, |w| w.write) {
             self.finish(cx, w, result);
         }
         self.poll_partials(cx);
@@ -779,6 +771,29 @@ pub(super) fn expire_sends<T: Transport>(cx: &mut Context<T>, now: Instant) {
             report_send(cx, &ready, expired.key.as_str(), outcome, None);
         }
     }
+}
+
+/// Polls each of `writes` once and takes out those the transport finished, each with its
+/// result, in no particular order. Allocates only when some finished.
+fn finished<T: Transport + ?Sized, W>(
+    transport: &mut T,
+    writes: &mut Vec<W>,
+    id: impl Fn(&W) -> WriteId,
+) -> Vec<(W, Result<(), TransportError>)> {
+    let mut done = Vec::new();
+    let mut i = 0;
+    while i < writes.len() {
+        let result = match transport.poll_write(id(&writes[i])) {
+            Ok(WriteState::InProgress) => {
+                i += 1;
+                continue;
+            }
+            Ok(WriteState::Done) => Ok(()),
+            Err(e) => Err(e),
+        };
+        done.push((writes.swap_remove(i), result));
+    }
+    done
 }
 
 /// A registration under `key` left the table unwritten: if `key` is a slot of a transfer

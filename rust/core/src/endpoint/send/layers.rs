@@ -44,13 +44,13 @@ use crate::protocol::{BlockGroup, FailReason, Message};
 use crate::rendezvous::{AfterStream, Cancelled, FenceReason, StreamStart};
 use crate::side_channel::PeerId;
 use crate::sync::lock;
-use crate::transport::{Transport, WriteId, WriteState};
+use crate::transport::{Transport, WriteId};
 
 use super::super::context::Context;
 use super::super::events::{Event, Outcome, Reason, Role, Timeline};
 use super::super::halves::{Ready, Registration};
 use super::super::Counters;
-use super::{release_slot, report_send, Refusal, Sends, Span};
+use super::{finished, release_slot, report_send, Refusal, Sends, Span};
 
 /// What was streamed into one registration of a transfer.
 #[derive(Debug)]
@@ -344,17 +344,7 @@ impl Sends {
 
     /// Polls the streams' WRITEs; a stream with none left in flight ends.
     pub(super) fn poll_partials<T: Transport>(&mut self, cx: &mut Context<T>) {
-        let mut i = 0;
-        while i < self.partials.len() {
-            let result = match cx.transport.poll_write(self.partials[i].write) {
-                Ok(WriteState::InProgress) => {
-                    i += 1;
-                    continue;
-                }
-                Ok(WriteState::Done) => Ok(()),
-                Err(e) => Err(e),
-            };
-            let partial = self.partials.swap_remove(i);
+        for (partial, result) in finished(&mut cx.transport, &mut self.partials, |p| p.write) {
             self.release_agent(cx, &partial.agent);
             if let Some(stream) = self.streams.get_mut(&partial.key) {
                 stream.in_flight = stream.in_flight.saturating_sub(1);
