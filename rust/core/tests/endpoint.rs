@@ -1441,6 +1441,33 @@ fn a_chunked_prompt_streams_chunk_by_chunk_and_the_done_carries_what_is_left() {
 }
 
 #[test]
+fn a_chunk_ending_on_a_block_boundary_is_not_written_again() {
+    let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::new(16, |_| 0);
+    let p = p_cache.endpoint("ep-lw-edge-p");
+    let d = d_cache.endpoint("ep-lw-edge-d");
+    d.expect(expectation(&p, "req-edge", &[5, 9, 11], 0, 40)).unwrap();
+    wait_for_registration(&p);
+    // First chunk: tokens 0..32, two whole blocks, every layer.
+    p.layers_ready(ready("req-edge", &[3, 4], 32), 0..REGIONS as usize).unwrap();
+    let chunk = region_bytes(REGIONS, 32);
+    assert!(eventually(|| streamed_posts(&p_cache) == chunk), "{:?}", p_cache.posts());
+    // The last chunk writes its own tokens, 32..40: no block of the first holds any of them.
+    let last = ready("req-edge", &[3, 4, 6], 40);
+    p.layers_ready(last.clone(), 0..REGIONS as usize).unwrap();
+    let rest = region_bytes(REGIONS, 8);
+    assert!(eventually(|| streamed_posts(&p_cache) == chunk + rest), "{:?}", p_cache.posts());
+    p.ready(last).unwrap();
+    assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Done, .. }]));
+    let sent = events(&p, 1);
+    assert_eq!(p_cache.posts(), [(chunk, false), (rest, false), (0, true)]);
+    let whole = region_bytes(REGIONS, 40);
+    assert_eq!((sent[0].bytes, sent[0].streamed_bytes), (whole, whole), "no byte counted twice");
+    drop((p, d));
+    assert_only_written(&d_cache, &p_cache, &[(&[5, 9, 11], &[3, 4, 6])], 40);
+}
+
+#[test]
 fn a_chunk_inside_d_s_prefix_hit_is_not_written() {
     let p_cache = Cache::new(16, |i| (i % 251) as u8 + 1);
     let d_cache = Cache::new(16, |_| 0);
