@@ -730,10 +730,10 @@ impl Planner {
 
     /// D's lists `dst` narrowed to what a WRITE of P's KV of the tokens before `num_tokens`
     /// still owes once every token before `written` is in D: from the start of D's block that
-    /// holds token `written` (written again when `written` falls inside it: P may have had only
-    /// part of that block, and a block that moves whole carried P's scratch past it; a chunk
-    /// that ends on D's block boundary leaves nothing to write again), or a list's own first
-    /// token when that is later, up to `num_tokens`. Layer-wise push writes a prompt computed in chunks
+    /// holds token `written - 1` (written again: P may have had only part of that block, and a
+    /// block that moves whole carried P's scratch past it; even at a block boundary, since a
+    /// connector whose blocks only move whole rounds a chunk's end up to its block's), or a
+    /// list's own first token when that is later, up to `num_tokens`. Layer-wise push writes a prompt computed in chunks
     /// this way, chunk by chunk. A list that starts at or past `num_tokens` is left as it is
     /// (there is nothing to write into it, and a plan refuses it).
     pub fn narrow_destination<'a>(
@@ -744,7 +744,7 @@ impl Planner {
     ) -> Vec<BlockList<'a>> {
         // block_tokens is at least 1: the layout was validated.
         let block = u64::from(self.dst.block_tokens);
-        let from = written / block * block;
+        let from = written.saturating_sub(1) / block * block;
         dst.iter()
             .map(|list| {
                 if list.first_token >= num_tokens {
