@@ -8,7 +8,8 @@ loopback behind ``kvpush proxy``, which sends both legs at once with one transfe
   prefills ended, and the answers are still exact;
 * D's metrics show that every prompt token came from P (``source="p2p"``);
 * a client that hangs up mid-way (while D still waits for the KV, or mid-stream) leaves both
-  servers healthy: nothing stays running, and the next request is still exact.
+  servers healthy: nothing stays running, no KV block stays held, and the next request is
+  still exact.
 
 vLLM's CPU attention keeps K transposed inside a block, so its blocks move whole and P and D
 need the same block size there (``KVPUSH_E2E_BLOCKS=P,D`` overrides; block-size translation is
@@ -124,6 +125,11 @@ def running_requests(server: VllmServer) -> float:
     )
 
 
+def kv_cache_usage(server: VllmServer) -> float:
+    """The share of the server's KV blocks that requests hold (a cached free block is free)."""
+    return metric_value(server.metrics(), "vllm:kv_cache_usage_perc")
+
+
 def healthy(server: VllmServer) -> bool:
     connection = http.client.HTTPConnection(HOST, server.port, timeout=10)
     try:
@@ -147,5 +153,10 @@ def test_client_hanging_up_leaves_both_servers_healthy(
         time.sleep(0.5)
     for server in (pair.prefill, pair.decode):
         assert healthy(server), f"{server.name} is unhealthy after the aborts"
+    # Each side held the aborted requests' blocks only while a WRITE could still touch them
+    # (P's stream, D's wait for P's word): then every block is free again, none leaked.
+    while held := [s.name for s in (pair.prefill, pair.decode) if kv_cache_usage(s) > 0]:
+        assert time.monotonic() < deadline, f"{held} still hold KV blocks 60 s after the aborts"
+        time.sleep(0.5)
     got = pair.complete(greedy_body(tiny_model, prompts[1000]))
     assert_same(1000, got, reference[1000])
