@@ -696,3 +696,39 @@ fn a_prefill_aborted_mid_stream_fails_every_d_rank_once_the_layer_s_writes_are_d
     drop((p, d));
     assert!(fan.second_region_untouched(), "the second layer landed after the abort");
 }
+
+/// P's writer dies while its abort waits for a layer's WRITEs into both D ranks (nothing will
+/// drive them again): the send still ends, once, so that P's engine frees the blocks.
+#[test]
+fn a_writer_dying_under_a_prefill_aborted_mid_stream_ends_its_send_once_for_every_rank() {
+    let fan = FanOut::new();
+    let fault = Fault::StuckWritesThenPanic(2);
+    let p = vec![fan.p_rank.endpoint_with("died-lw-p", fault, None, |_| {})];
+    let d = fan.d_endpoints("died-lw");
+    fan.register(&p, &d, 0, 1);
+    fan.register(&p, &d, 1, 2);
+    p[0].layers_ready(p_request(), 0..1).unwrap();
+    assert!(eventually(|| p[0].stats().streamed_writes == 2), "the layer never streamed");
+    assert_eq!(p[0].abort("p-request", Some("xfer-tp")).unwrap(), AbortOutcome::InFlight);
+    // Another transfer's WRITE into D rank 0 kills the writer.
+    let mut next = expectation_of_rank(&p, 0, 2, &[10], 4);
+    (next.request_id, next.transfer_id) = ("d-next".into(), Some("xfer-next".into()));
+    d[0].expect(next).unwrap();
+    assert!(eventually(|| p[0].pending() == 3), "D rank 0's second registration never came");
+    let kv = ReadyKv {
+        request_id: "p-next".into(),
+        transfer_id: Some("xfer-next".into()),
+        ..ready("", &[12], 4)
+    };
+    p[0].ready(kv).unwrap();
+    let mut sent = events(&p[0], 2);
+    sent.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+    let ends: Vec<(&str, Option<Reason>)> =
+        sent.iter().map(|e| (e.request_id.as_str(), e.outcome.cause().map(|c| c.reason))).collect();
+    assert_eq!(
+        ends,
+        [("p-next", Some(Reason::WriterDied)), ("p-request", Some(Reason::WriterDied))],
+        "{sent:?}"
+    );
+    no_more_events(&p[0], Duration::from_millis(100));
+}

@@ -519,7 +519,7 @@ impl Sends {
         for w in std::mem::take(&mut self.in_flight) {
             self.cut(cx, w, reason, at);
         }
-        self.cut_partials();
+        self.cut_partials(cx, &Outcome::failed(Reason::WriterDied, reason.to_owned()));
         for expired in cx.shared.table.drain(at) {
             if let Some((_, registration)) = expired.registration {
                 let fail = registration.fail(FailReason::ShuttingDown, reason.to_owned());
@@ -557,10 +557,11 @@ impl Sends {
             thread::sleep(poll);
         }
         let at = cx.shared.now();
+        let reason = "the endpoint closed during the write";
         for w in std::mem::take(&mut self.in_flight) {
-            self.cut(cx, w, "the endpoint closed during the write", at);
+            self.cut(cx, w, reason, at);
         }
-        self.cut_partials();
+        self.cut_partials(cx, &Outcome::failed(Reason::WriterDied, reason.to_owned()));
     }
 
     /// The transport is done with (`key`, `epoch`)'s WRITE (it `wrote`, or never posted it; it

@@ -740,6 +740,16 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
             })
     }
 
+    /// Whether `key` is streaming with P's abort waiting for it (see `cancel`): the abort
+    /// answered `InFlight`, so the stream's end owes P's engine the send's event.
+    pub fn stream_aborted(&self, key: &TransferKey) -> bool {
+        let (hash, shard) = self.shard(key);
+        shard
+            .entries
+            .find(hash, |entry| entry.key.hash == hash && entry.key.key == *key)
+            .is_some_and(|entry| matches!(entry.state, State::Streaming { aborted: true, .. }))
+    }
+
     /// Whether `key` holds P's KV: waiting for D, matched, being written, or held for a stream.
     pub fn has_ready(&self, key: &TransferKey) -> bool {
         let (hash, shard) = self.shard(key);

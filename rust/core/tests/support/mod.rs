@@ -28,6 +28,9 @@ pub enum Fault {
     SlowWrites(Duration),
     /// Every WRITE that notifies nobody (a layer of a stream) fails when polled.
     FailingSilentWrites,
+    /// The first this many WRITEs stay in progress; posting the next one panics (the writer
+    /// dies with WRITEs in flight).
+    StuckWritesThenPanic(usize),
 }
 
 /// The loopback transport with a fault injected.
@@ -139,12 +142,15 @@ impl Transport for Faulty {
         remote: MemorySpace,
         notification: Option<&[u8]>,
     ) -> Result<WriteId, TransportError> {
-        assert!(self.fault != Fault::PanicOnPost, "injected: the writer thread panics");
+        let stuck_then_panic =
+            matches!(self.fault, Fault::StuckWritesThenPanic(n) if self.stuck.len() >= n);
+        let panics = self.fault == Fault::PanicOnPost || stuck_then_panic;
+        assert!(!panics, "injected: the writer thread panics");
         let write = self.inner.post_write(peer, runs, local, remote, notification)?;
         let bytes = runs.iter().map(|run| run.len).sum();
         self.posts.lock().unwrap().push((bytes, notification.is_some()));
         match self.fault {
-            Fault::StuckWrites => self.stuck.push(write),
+            Fault::StuckWrites | Fault::StuckWritesThenPanic(_) => self.stuck.push(write),
             Fault::SlowWrites(delay) => self.slow.push((write, Instant::now() + delay)),
             Fault::FailingSilentWrites if notification.is_none() => self.failing.push(write),
             Fault::None | Fault::PanicOnPost | Fault::FailingSilentWrites => {}

@@ -34,6 +34,7 @@
 //! same lease check as any other; one past `write_timeout` is held, as any WRITE is, until the
 //! transport finished with it.
 
+use std::collections::BTreeSet;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
@@ -508,9 +509,29 @@ impl Sends {
     }
 
     /// The writer stops: the streams' WRITEs are abandoned (D is not told, as for any WRITE the
-    /// transport will not finish) and their records dropped.
-    pub(super) fn cut_partials(&mut self) {
+    /// transport will not finish) and their records dropped. P's engine still waits for the
+    /// sends of prefills it aborted mid-stream (the abort answered `InFlight`): they end now,
+    /// as `outcome` says, once per transfer (a transfer written into several D ranks once for
+    /// all of them). Call it before the table is drained.
+    pub(super) fn cut_partials<T: Transport>(&mut self, cx: &Context<T>, outcome: &Outcome) {
         self.partials.clear();
-        self.streams.clear();
+        // In key order: the endpoint's events come in an order a seed replays (see `sim`).
+        let mut streams: Vec<(TransferKey, Stream)> = self.streams.drain().collect();
+        streams.sort_by(|(a, _), (b, _)| a.as_str().cmp(b.as_str()));
+        let mut ended = BTreeSet::new();
+        for (key, stream) in streams {
+            if stream.registration.is_none() || !cx.shared.table.stream_aborted(&key) {
+                continue;
+            }
+            let send = match key.split_slot() {
+                None => key,
+                Some((base, _)) if lock(&cx.shared.fanouts).remove(&base).is_some() => base,
+                // The group's send was ended for another of its slots.
+                Some(_) => continue,
+            };
+            if ended.insert(send.clone()) {
+                report_send(cx, &stream.kv, send.as_str(), outcome.clone(), None);
+            }
+        }
     }
 }
