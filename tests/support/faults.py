@@ -450,6 +450,11 @@ def _let_go(tid: int, withheld: int = 0) -> None:
         _ptrace(PTRACE_DETACH, tid, withheld)
 
 
+#: What reading a thread's ``/proc`` file raises once the thread ended: no such file, or, when
+#: it ends between the open and the read, ESRCH.
+THREAD_GONE = (FileNotFoundError, ProcessLookupError)
+
+
 def thread_names(pid: int) -> dict[int, str]:
     """Process ``pid``'s threads and their names (as the kernel keeps them: 15 characters)."""
     names = {}
@@ -457,7 +462,7 @@ def thread_names(pid: int) -> dict[int, str]:
         try:
             with open(f"/proc/{pid}/task/{entry}/comm", encoding="utf-8") as comm:
                 names[int(entry)] = comm.read().strip()
-        except FileNotFoundError:
+        except THREAD_GONE:
             continue  # the thread ended meanwhile
     return names
 
@@ -486,7 +491,7 @@ def thread_state(pid: int, tid: int) -> str:
     try:
         with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8") as stat:
             return stat.read().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
+    except THREAD_GONE:
         return ""
 
 
@@ -495,7 +500,7 @@ def _waits_on_a_lock(pid: int, tid: int) -> bool:
     try:
         with open(f"/proc/{pid}/task/{tid}/wchan", encoding="utf-8") as wchan:
             return "futex" in wchan.read()
-    except FileNotFoundError:
+    except THREAD_GONE:
         return True
 
 
