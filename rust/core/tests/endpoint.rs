@@ -1613,32 +1613,39 @@ fn a_prefill_aborted_mid_stream_fails_d_s_receive_once_the_layer_s_write_is_done
 }
 
 #[test]
-fn a_writer_dying_under_a_prefill_aborted_mid_stream_still_ends_its_send() {
-    let p_cache = Cache::new(16, |_| 9);
-    let d_cache = Cache::new(16, |_| 0);
-    let p = p_cache.endpoint_with("ep-lw-died-p", Fault::StuckWritesThenPanic(1), |_| {});
-    let d = d_cache.endpoint("ep-lw-died-d");
-    d.expect(expectation(&p, "req-aborted", &[1, 2], 0, 20)).unwrap();
-    wait_for_registration(&p);
-    p.layers_ready(ready("req-aborted", &[3, 4], 20), 0..1).unwrap();
-    assert!(eventually(|| p.stats().streamed_writes == 1));
-    // P's engine holds the blocks until the send's event: the layer's WRITE still reads them.
-    assert_eq!(p.abort("req-aborted", None).unwrap(), AbortOutcome::InFlight);
-    // Another request's WRITE kills the writer: nothing drives that layer's WRITE any more.
-    d.expect(expectation(&p, "req-next", &[5, 6], 0, 20)).unwrap();
-    assert!(eventually(|| p.pending() == 2), "D's second registration did not reach P");
-    p.ready(ready("req-next", &[7, 8], 20)).unwrap();
-    let mut sent = events(&p, 2);
-    sent.sort_by(|a, b| a.request_id.cmp(&b.request_id));
-    let ends: Vec<(&str, Option<Reason>)> =
-        sent.iter().map(|e| (e.request_id.as_str(), reason_of(e))).collect();
-    assert_eq!(
-        ends,
-        [("req-aborted", Some(Reason::WriterDied)), ("req-next", Some(Reason::WriterDied))],
-        "{sent:?}"
-    );
-    std::thread::sleep(Duration::from_millis(100));
-    assert!(p.poll().is_empty(), "one end per send");
+fn a_writer_dying_under_a_prefill_aborted_mid_stream_still_ends_its_send_once() {
+    // P's KV offered before the abort (held in the table during the stream) or not yet.
+    for offered in [false, true] {
+        let p_cache = Cache::new(16, |_| 9);
+        let d_cache = Cache::new(16, |_| 0);
+        let fault = Fault::StuckWritesThenPanic(1);
+        let p = p_cache.endpoint_with(&format!("ep-lw-died-p-{offered}"), fault, |_| {});
+        let d = d_cache.endpoint(&format!("ep-lw-died-d-{offered}"));
+        d.expect(expectation(&p, "req-aborted", &[1, 2], 0, 20)).unwrap();
+        wait_for_registration(&p);
+        p.layers_ready(ready("req-aborted", &[3, 4], 20), 0..1).unwrap();
+        assert!(eventually(|| p.stats().streamed_writes == 1));
+        if offered {
+            p.ready(ready("req-aborted", &[3, 4], 20)).unwrap();
+        }
+        // P's engine holds the blocks until the send's event: the layer's WRITE reads them.
+        assert_eq!(p.abort("req-aborted", None).unwrap(), AbortOutcome::InFlight);
+        // Another request's WRITE kills the writer: nothing drives that layer's WRITE any more.
+        d.expect(expectation(&p, "req-next", &[5, 6], 0, 20)).unwrap();
+        assert!(eventually(|| p.pending() == 2), "D's second registration did not reach P");
+        p.ready(ready("req-next", &[7, 8], 20)).unwrap();
+        let mut sent = events(&p, 2);
+        sent.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+        let ends: Vec<(&str, Option<Reason>)> =
+            sent.iter().map(|e| (e.request_id.as_str(), reason_of(e))).collect();
+        assert_eq!(
+            ends,
+            [("req-aborted", Some(Reason::WriterDied)), ("req-next", Some(Reason::WriterDied))],
+            "offered {offered}: {sent:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(p.poll().is_empty(), "offered {offered}: one end per send");
+    }
 }
 
 #[test]

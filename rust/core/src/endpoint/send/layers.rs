@@ -34,7 +34,6 @@
 //! same lease check as any other; one past `write_timeout` is held, as any WRITE is, until the
 //! transport finished with it.
 
-use std::collections::BTreeSet;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
@@ -49,6 +48,7 @@ use crate::transport::{Transport, WriteId};
 
 use super::super::context::Context;
 use super::super::events::{Event, Outcome, Reason, Role, Timeline};
+use super::super::fanout::FanOut;
 use super::super::halves::{Ready, Registration};
 use super::super::Counters;
 use super::{finished, release_slot, report_send, Refusal, Sends, Span};
@@ -518,20 +518,25 @@ impl Sends {
         // In key order: the endpoint's events come in an order a seed replays (see `sim`).
         let mut streams: Vec<(TransferKey, Stream)> = self.streams.drain().collect();
         streams.sort_by(|(a, _), (b, _)| a.as_str().cmp(b.as_str()));
-        let mut ended = BTreeSet::new();
         for (key, stream) in streams {
-            if stream.registration.is_none() || !cx.shared.table.stream_aborted(&key) {
+            let table = &cx.shared.table;
+            if stream.registration.is_none() || !table.stream_aborted(&key) {
                 continue;
             }
+            // Where the table holds P's KV (offered before the abort), its drain ends the send.
             let send = match key.split_slot() {
-                None => key,
-                Some((base, _)) if lock(&cx.shared.fanouts).remove(&base).is_some() => base,
-                // The group's send was ended for another of its slots.
-                Some(_) => continue,
+                None if !table.has_ready(&key) => key,
+                None => continue,
+                Some((base, _)) => {
+                    let mut groups = lock(&cx.shared.fanouts);
+                    if !groups.get(&base).is_some_and(FanOut::owes_abort) {
+                        continue;
+                    }
+                    groups.remove(&base);
+                    base
+                }
             };
-            if ended.insert(send.clone()) {
-                report_send(cx, &stream.kv, send.as_str(), outcome.clone(), None);
-            }
+            report_send(cx, &stream.kv, send.as_str(), outcome.clone(), None);
         }
     }
 }
