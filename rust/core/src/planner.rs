@@ -733,9 +733,9 @@ impl Planner {
     /// holds token `written - 1` (written again: P may have had only part of that block, and a
     /// block that moves whole carried P's scratch past it; even at a block boundary, since a
     /// connector whose blocks only move whole rounds a chunk's end up to its block's), or a
-    /// list's own first token when that is later, up to `num_tokens`. Layer-wise push writes a prompt computed in chunks
-    /// this way, chunk by chunk. A list that starts at or past `num_tokens` is left as it is
-    /// (there is nothing to write into it, and a plan refuses it).
+    /// list's own first token when that is later, up to `num_tokens`. Layer-wise push writes a
+    /// prompt computed in chunks this way, chunk by chunk. A list that starts at or past
+    /// `num_tokens` is left as it is (there is nothing to write into it, and a plan refuses it).
     pub fn narrow_destination<'a>(
         &self,
         dst: &[BlockList<'a>],

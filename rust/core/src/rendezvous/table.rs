@@ -711,56 +711,40 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
 
     /// Whether `key` has a live entry (a half, a match or a write in flight; not a fence).
     pub fn is_live(&self, key: &TransferKey) -> bool {
-        let (hash, shard) = self.shard(key);
-        shard
-            .entries
-            .find(hash, |entry| entry.key.hash == hash && entry.key.key == *key)
-            .is_some_and(|entry| !matches!(entry.state, State::Fenced { .. }))
+        self.state_of(key, |state| !matches!(state, State::Fenced { .. }))
     }
 
     /// Whether the stream of `key` at `epoch` should go on writing layers: nobody cancelled it
     /// (neither D nor P's abort) and D did not register again meanwhile. A stream that does not
     /// stand posts nothing more and ends once its WRITEs in flight are done.
     pub fn stream_stands(&self, key: &TransferKey, epoch: Epoch) -> bool {
-        let (hash, shard) = self.shard(key);
-        shard
-            .entries
-            .find(hash, |entry| entry.key.hash == hash && entry.key.key == *key)
-            .is_some_and(|entry| {
-                matches!(
-                    entry.state,
-                    State::Streaming {
-                        epoch: streaming,
-                        after: AfterWrite::End,
-                        ack_owed: false,
-                        aborted: false,
-                        ..
-                    } if streaming == epoch
-                )
-            })
+        self.state_of(key, |state| {
+            matches!(
+                state,
+                State::Streaming {
+                    epoch: streaming,
+                    after: AfterWrite::End,
+                    ack_owed: false,
+                    aborted: false,
+                    ..
+                } if *streaming == epoch
+            )
+        })
     }
 
     /// Whether `key` is streaming with P's abort waiting for it (see `cancel`): the abort
     /// answered `InFlight`, so the stream's end owes P's engine the send's event.
     pub fn stream_aborted(&self, key: &TransferKey) -> bool {
-        let (hash, shard) = self.shard(key);
-        shard
-            .entries
-            .find(hash, |entry| entry.key.hash == hash && entry.key.key == *key)
-            .is_some_and(|entry| matches!(entry.state, State::Streaming { aborted: true, .. }))
+        self.state_of(key, |state| matches!(state, State::Streaming { aborted: true, .. }))
     }
 
     /// Whether `key` holds P's KV: waiting for D, matched, being written, or held for a stream.
     pub fn has_ready(&self, key: &TransferKey) -> bool {
-        let (hash, shard) = self.shard(key);
-        shard
-            .entries
-            .find(hash, |entry| entry.key.hash == hash && entry.key.key == *key)
-            .is_some_and(|entry| match &entry.state {
-                State::Ready { .. } | State::Matched { .. } | State::InFlight { .. } => true,
-                State::Streaming { ready, .. } => ready.is_some(),
-                State::Registered { .. } | State::Fenced { .. } => false,
-            })
+        self.state_of(key, |state| match state {
+            State::Ready { .. } | State::Matched { .. } | State::InFlight { .. } => true,
+            State::Streaming { ready, .. } => ready.is_some(),
+            State::Registered { .. } | State::Fenced { .. } => false,
+        })
     }
 
     /// Fences `key` as `reason` if the table holds nothing for it (a lapsed fence counts as
@@ -782,13 +766,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     /// being written or streamed, or waiting for the write or stream in flight to finish. A registration that repeats
     /// it is a duplicate: it needs neither a place in the table nor a reply.
     pub fn holds(&self, key: &TransferKey, epoch: Epoch, owner: Owner) -> bool {
-        let (hash, shard) = self.shard(key);
-        let Some(entry) =
-            shard.entries.find(hash, |entry| entry.key.hash == hash && entry.key.key == *key)
-        else {
-            return false;
-        };
-        match &entry.state {
+        self.state_of(key, |state| match state {
             State::Registered { epoch: held, owner: holder, .. }
             | State::Matched { epoch: held, owner: holder, .. } => {
                 *held == epoch && *holder == owner
@@ -800,7 +778,7 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
                 *holder == owner && (*writing == epoch || waiting)
             }
             State::Ready { .. } | State::Fenced { .. } => false,
-        }
+        })
     }
 
     /// Live (not ended) entries, fences excluded.
@@ -824,6 +802,15 @@ impl<R: Send, K: Clone + Send> RendezvousTable<R, K> {
     /// heaps stay bounded by what the table holds.
     pub fn tracked_deadlines(&self) -> usize {
         self.shards.iter().map(|shard| lock(shard).deadlines.heap.len()).sum()
+    }
+
+    /// Whether `key` has an entry whose state `test` accepts (under its shard's lock).
+    fn state_of(&self, key: &TransferKey, test: impl FnOnce(&State<R, K>) -> bool) -> bool {
+        let (hash, shard) = self.shard(key);
+        shard
+            .entries
+            .find(hash, |entry| entry.key.hash == hash && entry.key.key == *key)
+            .is_some_and(|entry| test(&entry.state))
     }
 
     /// Hashes `key` once, for both the shard and the lookup in it, and locks its shard.
