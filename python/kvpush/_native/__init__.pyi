@@ -259,6 +259,10 @@ class TransferEvent:
     def streamed_bytes(self) -> int:
         """P, layer-wise push: of ``bytes``, those written layer by layer before ``ready``."""
     @property
+    def rewritten_bytes(self) -> int:
+        """P, layer-wise push of a prompt computed in chunks: of ``bytes``, those written again
+        (D's block holding an earlier chunk's last token)."""
+    @property
     def timeline(self) -> Timeline: ...
 
 @final

@@ -470,6 +470,7 @@ class PushWorker:
             "bytes": event.bytes,
             "runs": event.runs,
             "streamed_bytes": event.streamed_bytes,
+            "rewritten_bytes": event.rewritten_bytes,
             "wall": wall,
         }
         self._timeline.write(json.dumps(line) + "\n")

@@ -61,7 +61,8 @@ pub struct BlockList<'a> {
 ///
 /// P lists its whole prompt (`first_token` 0, usually); D lists only the blocks it did not find
 /// in its prefix cache, starting at its first uncached token. The tokens written are
-/// `[dst[g].first_token, num_tokens)` of each group `g`.
+/// `[dst[g].first_token, num_tokens)` of each group `g`; none where an empty list starts at or
+/// past `num_tokens` (a group that holds none of the request's tokens).
 #[derive(Debug, Clone, Copy)]
 pub struct PlanRequest<'a> {
     /// The request's name, for errors.
@@ -293,7 +294,7 @@ pub enum PlanError {
         /// The side's tokens per logical block.
         block_tokens: u32,
     },
-    /// A list starts after the request's last token.
+    /// A list with blocks starts after the request's last token.
     #[error(
         "request {request}: {side} group {group} starts at token {first_token}, past the \
          request's {num_tokens} tokens"
@@ -728,6 +729,23 @@ impl Planner {
         self.regions.len()
     }
 
+    /// Of a plan of `regions` into D's lists `dst` (as [`Planner::plan_regions`] writes it),
+    /// the bytes of the tokens before `token`: what a chunk's WRITE of lists narrowed by
+    /// [`Planner::narrow_destination`] writes again of the chunks before it (`token` is
+    /// `written`, at most the request's tokens).
+    pub fn bytes_before(&self, dst: &[BlockList<'_>], token: u64, regions: Range<usize>) -> u64 {
+        let token_bytes = (self.shared_heads.end - self.shared_heads.start)
+            .saturating_mul(u64::from(self.src.head_bytes));
+        let chosen = self.regions.get(regions).unwrap_or_default();
+        chosen
+            .iter()
+            .map(|region| {
+                let first = dst.get(region.group).map_or(token, |list| list.first_token);
+                token.saturating_sub(first).saturating_mul(token_bytes)
+            })
+            .fold(0, u64::saturating_add)
+    }
+
     /// D's lists `dst` narrowed to what a WRITE of P's KV of the tokens before `num_tokens`
     /// still owes once every token before `written` is in D: from the start of D's block that
     /// holds token `written - 1` (written again: P may have had only part of that block, and a
@@ -735,7 +753,8 @@ impl Planner {
     /// connector whose blocks only move whole rounds a chunk's end up to its block's), or a
     /// list's own first token when that is later, up to `num_tokens`. Layer-wise push writes a
     /// prompt computed in chunks this way, chunk by chunk. A list that starts at or past
-    /// `num_tokens` is left as it is (there is nothing to write into it, and a plan refuses it).
+    /// `num_tokens` (a sliding window's blocks, after a chunk ending before the window) comes
+    /// back empty: D needs none of this chunk's tokens in that group, and a plan writes none.
     pub fn narrow_destination<'a>(
         &self,
         dst: &[BlockList<'a>],
@@ -748,7 +767,7 @@ impl Planner {
         dst.iter()
             .map(|list| {
                 if list.first_token >= num_tokens {
-                    return *list;
+                    return BlockList { first_token: list.first_token, ids: &[] };
                 }
                 let first = from.max(list.first_token);
                 let skip =
@@ -878,7 +897,8 @@ impl Planner {
         {
             self.check_list(req, Side::Destination, group, dst, limits.dst, &mut seen)?;
             self.check_list(req, Side::Source, group, src, limits.src, &mut seen)?;
-            if src.first_token > dst.first_token {
+            // D needs tokens of the group only where its list starts before the request's end.
+            if src.first_token > dst.first_token && dst.first_token < req.num_tokens {
                 return Err(PlanError::SourceMissesTokens {
                     request: req.request.to_owned(),
                     group,
@@ -912,6 +932,11 @@ impl Planner {
             });
         }
         let Some(tokens) = req.num_tokens.checked_sub(list.first_token) else {
+            // An empty list past the end holds none of the request's tokens: a group whose
+            // blocks all lie past a chunk's end (a sliding window's, layer-wise push).
+            if list.ids.is_empty() {
+                return Ok(());
+            }
             return Err(PlanError::StartBeyondEnd {
                 request: request(),
                 side,

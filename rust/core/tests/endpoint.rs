@@ -34,15 +34,21 @@ const BLOCKS: u32 = 32;
 struct Cache {
     memory: Vec<u8>,
     block_tokens: u32,
+    /// KV cache groups: region `r` belongs to group `r % groups`.
+    groups: u32,
     /// Every WRITE the endpoints made from this cache posted, in order.
     posts: Arc<Mutex<Vec<Posted>>>,
 }
 
 impl Cache {
     fn new(block_tokens: u32, fill: impl Fn(usize) -> u8) -> Self {
+        Self::grouped(block_tokens, 1, fill)
+    }
+
+    fn grouped(block_tokens: u32, groups: u32, fill: impl Fn(usize) -> u8) -> Self {
         let len = (REGIONS * u64::from(BLOCKS) * u64::from(block_tokens) * TOKEN_BYTES) as usize;
         let posts = Arc::default();
-        Self { memory: (0..len).map(fill).collect(), block_tokens, posts }
+        Self { memory: (0..len).map(fill).collect(), block_tokens, groups, posts }
     }
 
     fn posts(&self) -> Vec<Posted> {
@@ -61,7 +67,7 @@ impl Cache {
                     base: base + r * self.region_bytes(),
                     block_stride: u64::from(self.block_tokens) * TOKEN_BYTES,
                     num_blocks: BLOCKS,
-                    group: 0,
+                    group: r as u32 % self.groups,
                 })
                 .collect(),
             block_tokens: self.block_tokens,
@@ -1436,6 +1442,8 @@ fn a_chunked_prompt_streams_chunk_by_chunk_and_the_done_carries_what_is_left() {
     assert_eq!(p_cache.posts().last(), Some(&(region_bytes(2, 24), true)));
     assert_eq!(sent[0].streamed_bytes, chunk + more);
     assert_eq!(sent[0].bytes, chunk + more + region_bytes(2, 24));
+    // Tokens 16..20 of every region went twice: with the first chunk and again with the second.
+    assert_eq!(sent[0].rewritten_bytes, region_bytes(REGIONS, 4));
     drop((p, d));
     assert_only_written(&d_cache, &p_cache, &[(&[5, 9, 11], &[3, 4, 6])], 40);
 }
@@ -1474,6 +1482,8 @@ fn a_chunk_rounded_up_to_whole_blocks_has_its_last_block_written_again() {
     p.layers_ready(last.clone(), 0..REGIONS as usize).unwrap();
     p.ready(last).unwrap();
     assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Done, .. }]));
+    // The block of tokens 16..32 went twice, in every region.
+    assert_eq!(events(&p, 1)[0].rewritten_bytes, region_bytes(REGIONS, 16));
     drop((p, d));
     assert_only_written(&d_cache, &p_cache, &[(&[5, 9, 11], &[3, 4, 6])], 40);
 }
@@ -1496,6 +1506,63 @@ fn a_chunk_inside_d_s_prefix_hit_is_not_written() {
     p.ready(second).unwrap();
     assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Done, .. }]));
     assert_eq!(p_cache.posts(), [(needed, false), (0, true)], "only the tokens D needs");
+}
+
+/// A model with a full-attention group (regions 0 and 2) and a sliding-window group (regions 1
+/// and 3), its 40-token prompt computed in two chunks. D keeps the window's last block only
+/// (tokens 32..40); P lists its window group from there too (the blocks it may free before the
+/// prompt's end are never listed), empty while a chunk ends before it. The first chunk writes
+/// the full-attention group alone; the second writes both, the window group from its start.
+#[test]
+fn a_chunk_that_ends_before_a_sliding_window_writes_the_other_groups() {
+    let p_cache = Cache::grouped(16, 2, |i| (i % 251) as u8 + 1);
+    let d_cache = Cache::grouped(16, 2, |_| 0);
+    let p = p_cache.endpoint("ep-lw-swa-p");
+    let d = d_cache.endpoint("ep-lw-swa-d");
+    let groups = |full: &[u32], window: &[u32]| {
+        vec![
+            BlockGroup { first_token: 0, block_ids: full.to_vec() },
+            BlockGroup { first_token: 32, block_ids: window.to_vec() },
+        ]
+    };
+    let kv = |full: &[u32], window: &[u32], num_tokens| ReadyKv {
+        groups: groups(full, window),
+        ..ready("req-swa", &[], num_tokens)
+    };
+    let expected = Expectation {
+        groups: groups(&[5, 9, 11], &[12]),
+        ..expectation(&p, "req-swa", &[], 0, 40)
+    };
+    d.expect(expected).unwrap();
+    wait_for_registration(&p);
+    p.layers_ready(kv(&[3, 4], &[], 20), 0..REGIONS as usize).unwrap();
+    let first = 2 * 20 * TOKEN_BYTES;
+    assert!(eventually(|| streamed_posts(&p_cache) == first), "{:?}", p_cache.posts());
+    // The second chunk: the full group from D's block holding token 19 (16..40), the window's.
+    let last = kv(&[3, 4, 6], &[7], 40);
+    p.layers_ready(last.clone(), 0..REGIONS as usize).unwrap();
+    let second = 2 * 24 * TOKEN_BYTES + 2 * 8 * TOKEN_BYTES;
+    assert!(eventually(|| streamed_posts(&p_cache) == first + second), "{:?}", p_cache.posts());
+    p.ready(last).unwrap();
+    assert!(matches!(&events(&d, 1)[..], [Event { outcome: Outcome::Done, .. }]));
+    let sent = events(&p, 1);
+    assert_eq!(sent[0].streamed_bytes, first + second);
+    // Tokens 16..20 of the full group went twice; the window's tokens once.
+    assert_eq!(sent[0].rewritten_bytes, 2 * 4 * TOKEN_BYTES);
+    drop((p, d));
+    let mut wanted = vec![0u8; d_cache.memory.len()];
+    for region in 0..REGIONS {
+        let (d_blocks, p_blocks, from): (&[u32], &[u32], u64) =
+            if region % 2 == 0 { (&[5, 9, 11], &[3, 4, 6], 0) } else { (&[12], &[7], 32) };
+        for token in from..40 {
+            let src = p_cache.offset(region, p_blocks, from, token);
+            let dst = d_cache.offset(region, d_blocks, from, token);
+            let n = TOKEN_BYTES as usize;
+            wanted[dst..dst + n].copy_from_slice(&p_cache.memory[src..src + n]);
+        }
+    }
+    let wrong = d_cache.memory.iter().zip(&wanted).filter(|(a, b)| a != b).count();
+    assert_eq!(wrong, 0, "{wrong} bytes of D differ from P's KV in the blocks written alone");
 }
 
 #[test]

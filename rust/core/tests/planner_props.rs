@@ -525,16 +525,16 @@ proptest! {
     /// cut at its end, D's narrowed to it), written while P's KV past the cut is still scratch,
     /// then the rest's (D's lists narrowed past what the chunk wrote), leave D exactly as the
     /// whole plan does: whatever scratch the first wrote (a partial block, a block moved whole)
-    /// the second writes over, and neither writes outside the whole plan's bytes.
+    /// the second writes over, and neither writes outside the whole plan's bytes. A cut before
+    /// the tokens D needs of a group (a sliding window's) writes nothing of that group; P's list
+    /// of it is then empty where the cut falls before P's first block too.
     #[test]
     fn plans_of_a_chunked_prompt_write_the_whole_plan(
         case in case(),
         cut in any::<prop::sample::Index>(),
     ) {
-        let starts = case.dst_lists.iter().map(|l| l.first_token).max().unwrap_or(0);
-        prop_assume!(case.num_tokens > starts + 1);
-        // A cut inside the tokens D needs of every group.
-        let cut = starts + 1 + cut.index((case.num_tokens - starts - 1) as usize) as u64;
+        prop_assume!(case.num_tokens > 1);
+        let cut = 1 + cut.index((case.num_tokens - 1) as usize) as u64;
         let planner = case.planner();
         let block_tokens = u64::from(case.src.block_tokens);
         let chunk_lists: Vec<List> = case
@@ -542,7 +542,8 @@ proptest! {
             .iter()
             .map(|l| List {
                 first_token: l.first_token,
-                ids: l.ids[..(cut - l.first_token).div_ceil(block_tokens) as usize].to_vec(),
+                ids: l.ids[..cut.saturating_sub(l.first_token).div_ceil(block_tokens) as usize]
+                    .to_vec(),
             })
             .collect();
         let (src_chunk, src_all) = (borrowed(&chunk_lists), borrowed(&case.src_lists));
@@ -559,6 +560,9 @@ proptest! {
         let chunk = planner.plan(&chunk).expect("the chunk plans");
         let rest = planner.plan(&rest).expect("the rest plans");
         let whole = case.plan().expect("a valid request plans");
+        // What the rest writes again is exactly what the two write past the whole plan.
+        let again = planner.bytes_before(&dst_rest, cut, 0..planner.region_count());
+        prop_assert_eq!(chunk.stats.bytes + rest.stats.bytes - again, whole.stats.bytes);
         let (src_final, dst_init) = case.buffers();
         let src_early = case.scratch_from(cut, &src_final);
         let mut expected = dst_init.clone();
@@ -896,10 +900,17 @@ fn validation_errors_name_the_request_side_and_value() {
     check(
         &|c| {
             c.num_tokens = 32;
-            c.dst_lists[0] = List { first_token: 64, ids: vec![] };
+            c.dst_lists[0] = List { first_token: 64, ids: vec![1] };
         },
         &["D (destination)", "token 64", "32 tokens"],
     );
+    // Empty, a list past the end holds none of the request's tokens: nothing is written.
+    let mut before_window = good.clone();
+    before_window.num_tokens = 32;
+    before_window.src_lists[0] = List { first_token: 48, ids: vec![] };
+    before_window.dst_lists[0] = List { first_token: 64, ids: vec![] };
+    let plan = before_window.plan().expect("a group with nothing to write plans");
+    assert_eq!((plan.runs.len(), plan.stats.bytes), (0, 0));
     check(
         &|c| {
             c.src_lists[0] = List { first_token: 48, ids: vec![3] };

@@ -732,3 +732,35 @@ fn a_writer_dying_under_a_prefill_aborted_mid_stream_ends_its_send_once_for_ever
     );
     no_more_events(&p[0], Duration::from_millis(100));
 }
+
+/// P's WRITEs into both D ranks never finish (a stalled link): the request gets one quarantine
+/// notice, under the transfer's key, for the first slot's WRITE past the write timeout, and every
+/// quarantined WRITE is counted. So for a layer's WRITEs (`layer`) and for the request's.
+fn one_quarantine_notice_for_every_d_rank(name: &str, layer: bool) {
+    let fan = FanOut::new();
+    let fast = |c: &mut EndpointConfig| c.write_timeout = Duration::from_millis(200);
+    let p = vec![fan.p_rank.endpoint_with(name, Fault::StuckWrites, None, fast)];
+    let d = fan.d_endpoints(name);
+    fan.register(&p, &d, 0, 1);
+    fan.register(&p, &d, 1, 2);
+    if layer {
+        p[0].layers_ready(p_request(), 0..1).unwrap();
+    } else {
+        p[0].ready(p_request()).unwrap();
+    }
+    let sent = events(&p[0], 1);
+    assert!(matches!(&sent[..], [Event { outcome: Outcome::Quarantined(_), .. }]), "{sent:?}");
+    assert_eq!(sent[0].key.as_str(), "xfer-tp", "the transfer's key, not a slot's");
+    assert!(eventually(|| p[0].stats().quarantined_writes == 2), "{:?}", p[0].stats());
+    no_more_events(&p[0], Duration::from_millis(600));
+}
+
+#[test]
+fn a_request_s_writes_stuck_into_every_d_rank_give_one_quarantine_notice() {
+    one_quarantine_notice_for_every_d_rank("stuck-tp", false);
+}
+
+#[test]
+fn a_layer_s_writes_stuck_into_every_d_rank_give_one_quarantine_notice() {
+    one_quarantine_notice_for_every_d_rank("stuck-lw-tp", true);
+}

@@ -360,6 +360,10 @@ pub(crate) struct TransferEvent {
     /// P, layer-wise push: of `bytes`, those written layer by layer before the KV was ready.
     #[pyo3(get)]
     streamed_bytes: u64,
+    /// P, layer-wise push of a prompt computed in chunks: of `bytes`, those written again (D's
+    /// block holding an earlier chunk's last token).
+    #[pyo3(get)]
+    rewritten_bytes: u64,
     /// When each step happened.
     #[pyo3(get)]
     timeline: Timeline,
@@ -384,6 +388,7 @@ impl From<Event> for TransferEvent {
             bytes: event.bytes,
             runs: event.runs,
             streamed_bytes: event.streamed_bytes,
+            rewritten_bytes: event.rewritten_bytes,
             timeline: event.timeline.into(),
         }
     }

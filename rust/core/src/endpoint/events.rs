@@ -215,6 +215,9 @@ pub struct Event {
     /// P, layer-wise push: of `bytes`, those written layer by layer before the request's KV
     /// was reported ready (see `Endpoint::layers_ready`).
     pub streamed_bytes: u64,
+    /// P, layer-wise push of a prompt computed in chunks: of `bytes`, those written again (D's
+    /// block holding an earlier chunk's last token; see `Planner::narrow_destination`).
+    pub rewritten_bytes: u64,
     /// When each step happened.
     pub timeline: Timeline,
 }

@@ -50,6 +50,10 @@ pub(crate) struct FanOut {
     runs: u32,
     /// Of `bytes`, those streamed layer by layer (see `Endpoint::layers_ready`).
     streamed_bytes: u64,
+    /// Of `bytes`, those written again (see `Event::rewritten_bytes`).
+    rewritten_bytes: u64,
+    /// A slot's WRITE was reported quarantined: the request's notice, given once.
+    noticed: bool,
     /// P aborted the transfer before placing its KV, while layers were being written into some
     /// slots, and answered `InFlight`: the send's event is owed once the last of those streams
     /// ended (see [`release`]).
@@ -66,6 +70,8 @@ impl FanOut {
             bytes: 0,
             runs: 0,
             streamed_bytes: 0,
+            rewritten_bytes: 0,
+            noticed: false,
             owes_abort: false,
         }
     }
@@ -109,14 +115,22 @@ impl FanOut {
         self.open == 0
     }
 
-    /// A slot streamed `bytes` of its bytes layer by layer.
-    pub(crate) fn add_streamed(&mut self, bytes: u64) {
-        self.streamed_bytes = self.streamed_bytes.saturating_add(bytes);
+    /// A slot streamed `streamed` of its bytes layer by layer, and wrote `rewritten` of them
+    /// again.
+    pub(crate) fn add_streamed(&mut self, streamed: u64, rewritten: u64) {
+        self.streamed_bytes = self.streamed_bytes.saturating_add(streamed);
+        self.rewritten_bytes = self.rewritten_bytes.saturating_add(rewritten);
     }
 
-    /// Bytes streamed layer by layer, over every slot.
-    pub(crate) fn streamed_bytes(&self) -> u64 {
-        self.streamed_bytes
+    /// Whether the transfer still owes its quarantine notice (then it no longer does): one
+    /// per request, for the first of its slots' WRITEs past the write timeout.
+    pub(crate) fn take_notice(&mut self) -> bool {
+        !std::mem::replace(&mut self.noticed, true)
+    }
+
+    /// Bytes streamed layer by layer, and bytes written again, over every slot.
+    pub(crate) fn streamed_bytes(&self) -> (u64, u64) {
+        (self.streamed_bytes, self.rewritten_bytes)
     }
 
     /// The send's outcome, bytes and runs, over every slot.

@@ -206,6 +206,7 @@ impl Receives {
                 bytes: 0,
                 runs: 0,
                 streamed_bytes: 0,
+                rewritten_bytes: 0,
                 timeline: Timeline { registered: Some(cx.seconds(at)), ..Timeline::default() },
             });
             return;
@@ -592,6 +593,7 @@ impl Receives {
             bytes: awaited.bytes,
             runs: awaited.runs,
             streamed_bytes: 0,
+            rewritten_bytes: 0,
             timeline: Timeline {
                 registered: Some(cx.seconds(awaited.registered)),
                 completed: Some(cx.seconds(completed)),
@@ -871,6 +873,7 @@ impl Receives {
             bytes: awaited.bytes,
             runs: awaited.runs,
             streamed_bytes: 0,
+            rewritten_bytes: 0,
             timeline: Timeline {
                 registered: Some(cx.seconds(awaited.registered)),
                 ..Timeline::default()
@@ -1007,6 +1010,7 @@ pub(super) fn refuse_expectation<T: Transport>(
         bytes: 0,
         runs: 0,
         streamed_bytes: 0,
+        rewritten_bytes: 0,
         timeline: Timeline::default(),
     });
 }

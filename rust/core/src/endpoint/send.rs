@@ -64,6 +64,8 @@ struct InFlight {
     posted_boot: BootInstant,
     bytes: u64,
     runs: u32,
+    /// Of `bytes`, those written again (see `Event::rewritten_bytes`).
+    rewritten: u64,
     /// The transport agent written to (the write holds one use of it).
     agent: String,
     /// Past its write timeout, and reported quarantined (see `notice_overdue_writes`).
@@ -72,8 +74,16 @@ struct InFlight {
     streamed: Streamed,
 }
 
-/// P: a posted WRITE's id, bytes, runs and the agent written to (see `Sends::post`).
-type Posted = (WriteId, u64, u32, String);
+/// P: a posted WRITE (see `Sends::post`).
+struct Posted {
+    write: WriteId,
+    bytes: u64,
+    runs: u32,
+    /// Of `bytes`, those of tokens an earlier chunk's WRITE wrote (`Planner::bytes_before`).
+    rewritten: u64,
+    /// The transport agent written to.
+    agent: String,
+}
 
 /// What one WRITE of a transfer writes (see `Sends::post`): the regions `regions` (layout
 /// order) of the tokens from `written` on.
@@ -215,14 +225,11 @@ impl Sends {
         let posted = streamed.and_then(|streamed| {
             let span = Span { regions: streamed.from..usize::MAX, written: streamed.written };
             let posted = self.post(cx, &key, &registration, &ready, span, Some(streamed));
-            posted.map(|(write, bytes, runs, agent)| {
-                let runs = runs.saturating_add(streamed.runs);
-                (write, bytes.saturating_add(streamed.bytes), runs, agent, streamed)
-            })
+            posted.map(|posted| (posted, streamed))
         });
         match posted {
-            Ok((write, bytes, runs, agent, streamed)) => self.in_flight.push(InFlight {
-                write,
+            Ok((posted, streamed)) => self.in_flight.push(InFlight {
+                write: posted.write,
                 key,
                 epoch,
                 registration,
@@ -230,9 +237,10 @@ impl Sends {
                 matched,
                 posted: cx.shared.now(),
                 posted_boot: cx.shared.boot_now(),
-                bytes,
-                runs,
-                agent,
+                bytes: posted.bytes.saturating_add(streamed.bytes),
+                runs: posted.runs.saturating_add(streamed.runs),
+                rewritten: posted.rewritten.saturating_add(streamed.rewritten),
+                agent: posted.agent,
                 overdue: false,
                 streamed,
             }),
@@ -332,6 +340,7 @@ impl Sends {
         let plan = planner
             .plan_regions(&request, regions.clone())
             .map_err(|e| (FailReason::Refused, Reason::Refused, e.to_string()))?;
+        let rewritten = planner.bytes_before(&dst, written.min(num_tokens), regions.clone());
         // Whole blocks of layouts that match block for block also go as block indices, which a
         // transport with prepared descriptor lists posts without building descriptors. Worked
         // out here, before the lease check, to keep the check close to the post.
@@ -401,7 +410,7 @@ impl Sends {
         }
         let agent = agent.clone();
         *self.agents.entry(agent.clone()).or_insert(0) += 1;
-        Ok((write, plan.stats.bytes, runs, agent))
+        Ok(Posted { write, bytes: plan.stats.bytes, runs, rewritten, agent })
     }
 
     /// Writes past their write timeout, before anything drives the transport this turn: each
@@ -430,20 +439,21 @@ impl Sends {
             if w.streamed.noticed {
                 continue;
             }
+            let Some(key) = notice_key(cx, &w.key) else { continue };
             let detail = format!(
-                "transfer {}: the WRITE is not done after {timeout:?} (a stalled process or link, or a \
-                 slow peer); P keeps its source blocks, and D its destination blocks, until the \
-                 transport has finished with it",
-                w.key
+                "transfer {key}: the WRITE is not done after {timeout:?} (a stalled process or link, \
+                 or a slow peer); P keeps its source blocks, and D its destination blocks, until \
+                 the transport has finished with it"
             );
             let event = Event {
                 role: Role::Send,
                 request_id: w.ready.kv.request_id.clone(),
-                key: w.key.clone(),
+                key,
                 outcome: Outcome::quarantined(detail),
                 bytes: w.bytes,
                 runs: w.runs,
-                streamed_bytes: 0,
+                streamed_bytes: w.streamed.bytes,
+                rewritten_bytes: w.rewritten,
                 timeline: Timeline {
                     ready: Some(cx.seconds(w.ready.at)),
                     posted: Some(cx.seconds(w.posted)),
@@ -667,7 +677,7 @@ fn report_send<T: Transport>(
     write: Option<(&InFlight, Instant)>,
 ) {
     let mut timeline = Timeline { ready: Some(cx.seconds(ready.at)), ..Timeline::default() };
-    let (mut bytes, mut runs, mut streamed_bytes) = (0, 0, 0);
+    let (mut bytes, mut runs, mut streamed_bytes, mut rewritten_bytes) = (0, 0, 0, 0);
     if let Some((w, completed)) = write {
         timeline.registered = Some(cx.seconds(w.registration.at));
         timeline.streamed = w.streamed.first_posted.map(|at| cx.seconds(at));
@@ -677,6 +687,7 @@ fn report_send<T: Transport>(
         timeline.completed = Some(cx.seconds(completed));
         bytes = w.bytes;
         runs = w.runs;
+        rewritten_bytes = w.rewritten;
     }
     let mut key = TransferKey::from_canonical(key);
     let mut outcome = outcome;
@@ -689,12 +700,12 @@ fn report_send<T: Transport>(
             // was that answer, and the engine has freed the blocks. No second end.
             return;
         };
-        group.add_streamed(streamed_bytes);
+        group.add_streamed(streamed_bytes, rewritten_bytes);
         if !group.conclude(outcome, bytes, runs) {
             return;
         }
         (outcome, bytes, runs) = group.result();
-        streamed_bytes = group.streamed_bytes();
+        (streamed_bytes, rewritten_bytes) = group.streamed_bytes();
         groups.remove(&base);
         key = base;
     }
@@ -706,8 +717,18 @@ fn report_send<T: Transport>(
         bytes,
         runs,
         streamed_bytes,
+        rewritten_bytes,
         timeline,
     });
+}
+
+/// The key a quarantine notice of `key`'s overdue WRITE goes under, if the request still owes
+/// one: a transfer written into several D ranks gives one, under its own key, for the first of
+/// its slots' WRITEs to be overdue (and none once its group ended: the send was reported).
+fn notice_key<T: Transport>(cx: &Context<T>, key: &TransferKey) -> Option<TransferKey> {
+    let Some((base, _)) = key.split_slot() else { return Some(key.clone()) };
+    let mut groups = lock(&cx.shared.fanouts);
+    groups.get_mut(&base)?.take_notice().then_some(base)
 }
 
 /// Reports the send of a transfer whose every slot ended before any was written.
@@ -723,6 +744,7 @@ pub(super) fn report_fanout<T: Transport>(cx: &Context<T>, base: TransferKey) {
         bytes,
         runs,
         streamed_bytes: 0,
+        rewritten_bytes: 0,
         timeline: Timeline { ready: Some(cx.seconds(ready.at)), ..Timeline::default() },
     });
 }

@@ -51,7 +51,7 @@ use super::super::events::{Event, Outcome, Reason, Role, Timeline};
 use super::super::fanout::FanOut;
 use super::super::halves::{Ready, Registration};
 use super::super::Counters;
-use super::{finished, release_slot, report_send, Refusal, Sends, Span};
+use super::{finished, notice_key, release_slot, report_send, Refusal, Sends, Span};
 
 /// What was streamed into one registration of a transfer.
 #[derive(Debug)]
@@ -73,9 +73,10 @@ pub(in crate::endpoint) struct Stream {
     /// Regions `0..streamed` of `kv`'s tokens from `written` on are written or being written.
     streamed: usize,
     in_flight: usize,
-    /// What the stream's finished WRITEs moved.
+    /// What the stream's finished WRITEs moved, and of those bytes the ones written again.
     bytes: u64,
     runs: u32,
+    rewritten: u64,
     /// When the stream's first WRITE was posted; `None` before any.
     first_posted: Option<Instant>,
     /// Why the transfer fails: a WRITE of the stream failed or was refused.
@@ -98,6 +99,7 @@ impl Stream {
             in_flight: 0,
             bytes: 0,
             runs: 0,
+            rewritten: 0,
             first_posted: None,
             failed: None,
             noticed: false,
@@ -161,6 +163,8 @@ pub(in crate::endpoint) struct Streamed {
     pub(super) bytes: u64,
     /// Runs the stream wrote.
     pub(super) runs: u32,
+    /// Of `bytes`, those the stream wrote again (see `Event::rewritten_bytes`).
+    pub(super) rewritten: u64,
     /// When the stream's first WRITE was posted.
     pub(super) first_posted: Option<Instant>,
     /// The request's quarantine notice was given for a WRITE of the stream.
@@ -176,6 +180,7 @@ pub(in crate::endpoint) struct Partial {
     agent: String,
     bytes: u64,
     runs: u32,
+    rewritten: u64,
     /// When it was posted (boot clock: it counts a stalled VM's time too).
     posted_boot: BootInstant,
     /// Past its write timeout, and reported quarantined (see `notice_overdue_partials`).
@@ -241,25 +246,25 @@ impl Sends {
                 stream.streamed = 0;
             }
             let continues = regions.start == stream.streamed && stream.same_kv(kv);
-            // D needs tokens of this KV in every group (or in none: a chunk inside D's prefix
-            // hit counts as written); a chunk D needs in some groups only goes with the rest.
-            let needed = stream.registration.as_ref().map_or((false, false), |registration| {
-                let groups = &registration.register.groups;
+            // D needs tokens of this KV in some group (in none: a chunk inside D's prefix hit,
+            // or before a sliding window, counts as written). The groups it needs nothing of
+            // yet are written by a later chunk, from their own first token.
+            let needed = stream.registration.as_ref().map(|registration| {
                 let needs = |g: &BlockGroup| g.first_token < kv.kv.num_tokens;
-                (groups.iter().all(needs), !groups.iter().any(needs))
+                registration.register.groups.iter().any(needs)
             });
             // A stream cancelled meanwhile (by D, or by P's abort) writes nothing more: its end
             // waits only for what is in flight.
             let stands = || cx.shared.table.stream_stands(&key, stream.epoch);
             if continues && stream.failed.is_none() && stands() {
                 match needed {
-                    (true, _) => {
+                    Some(true) => {
                         if let Some(registration) = stream.registration.take() {
                             self.post_layers(cx, &key, registration, kv, regions);
                         }
                     }
-                    (false, true) => stream.streamed = regions.end,
-                    (false, false) => {}
+                    Some(false) => stream.streamed = regions.end,
+                    None => {}
                 }
             }
         }
@@ -281,17 +286,18 @@ impl Sends {
         let Some(stream) = self.streams.get_mut(key) else { return };
         stream.registration = Some(registration);
         match posted {
-            Ok((write, bytes, runs, agent)) => {
+            Ok(posted) => {
                 stream.streamed = end;
                 stream.in_flight += 1;
                 stream.first_posted.get_or_insert_with(|| cx.shared.now());
                 Counters::add(&cx.shared.counters.streamed_writes);
                 self.partials.push(Partial {
-                    write,
+                    write: posted.write,
                     key: key.clone(),
-                    agent,
-                    bytes,
-                    runs,
+                    agent: posted.agent,
+                    bytes: posted.bytes,
+                    runs: posted.runs,
+                    rewritten: posted.rewritten,
                     posted_boot: cx.shared.boot_now(),
                     overdue: false,
                 });
@@ -320,20 +326,21 @@ impl Sends {
             if std::mem::replace(&mut stream.noticed, true) {
                 continue;
             }
+            let Some(key) = notice_key(cx, &partial.key) else { continue };
             let detail = format!(
-                "transfer {}: a layer's WRITE is not done after {timeout:?} (a stalled process or \
-                 link, or a slow peer); P keeps its source blocks, and D its destination blocks, \
-                 until the transport has finished with it",
-                partial.key
+                "transfer {key}: a layer's WRITE is not done after {timeout:?} (a stalled process \
+                 or link, or a slow peer); P keeps its source blocks, and D its destination \
+                 blocks, until the transport has finished with it"
             );
             cx.emit(Event {
                 role: Role::Send,
                 request_id: stream.kv.kv.request_id.clone(),
-                key: partial.key.clone(),
+                key,
                 outcome: Outcome::quarantined(detail),
                 bytes: partial.bytes,
                 runs: partial.runs,
                 streamed_bytes: stream.bytes,
+                rewritten_bytes: partial.rewritten,
                 timeline: Timeline {
                     ready: None,
                     streamed: stream.first_posted.map(|at| cx.seconds(at)),
@@ -353,6 +360,7 @@ impl Sends {
                     Ok(()) => {
                         stream.bytes = stream.bytes.saturating_add(partial.bytes);
                         stream.runs = stream.runs.saturating_add(partial.runs);
+                        stream.rewritten = stream.rewritten.saturating_add(partial.rewritten);
                     }
                     Err(e) => {
                         let detail =
@@ -491,6 +499,7 @@ impl Sends {
             written,
             bytes: stream.bytes,
             runs: stream.runs,
+            rewritten: stream.rewritten,
             first_posted: stream.first_posted,
             noticed: stream.noticed,
         })
