@@ -12,7 +12,7 @@ import os
 import random
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,10 +161,12 @@ def kvpush_servers(
     names: tuple[str, str] = ("prefill", "decode"),
     blocks: tuple[int, int] = (P_BLOCK, D_BLOCK),
     layerwise: str = "off",
+    prefill_args: Sequence[str] = (),
 ) -> tuple[VllmServer, VllmServer]:
     """P (engine ``engine_id``, core 0, layer-wise push as ``layerwise`` says, its timelines
-    in ``logs``) and D (core 1) with kvpush's connector and one fresh shared secret, D without
-    prefix caching (so every prompt token must come from P)."""
+    in ``logs``, ``prefill_args`` added to its command line) and D (core 1) with kvpush's
+    connector and one fresh shared secret, D without prefix caching (so every prompt token must
+    come from P)."""
     secret = secrets.token_hex(16)
     prefill = VllmServer(
         names[0],
@@ -176,7 +178,7 @@ def kvpush_servers(
             "engine_id": engine_id,
         },
         extra_env={**kvpush_env(secret), **timelines_env(logs, names[0])},
-        extra_args=["--block-size", str(blocks[0])],
+        extra_args=["--block-size", str(blocks[0]), *prefill_args],
     )
     decode = VllmServer(
         names[1],

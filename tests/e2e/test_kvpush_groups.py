@@ -11,7 +11,12 @@ groups (its log: ``kv cache group sizes (128, 128)``).
   first token on (vLLM frees the others and lists its null block for them; D never allocates
   them). The bytes P reports are those counts times the layers times a block's bytes;
 * P streams by layer (``layerwise: "on"``), each layer its own group's blocks: its timelines
-  show layers written before the prefills ended, and the bytes above still hold.
+  show layers written before the prefills ended, and the bytes above still hold;
+* P computes a prompt in chunks of ``CHUNK`` tokens (vLLM frees the sliding-window group's
+  blocks before the window between chunks) and streams it chunk by chunk: each chunk writes the
+  full-attention layers' blocks, the sliding-window layers' only from the first block vLLM keeps
+  until the prompt's end. What a chunk writes again (D's block holding the chunk before's last
+  token) the timelines count apart, and the bytes above are those written once.
 
 The model's window (200 tokens) is not a multiple of the block size (128), so the first block
 kept is a partial one of the window.
@@ -37,6 +42,7 @@ from tests.e2e.pairs import (
     greedy_body,
     kvpush_servers,
     prompt_token_ids,
+    sends,
     single_answers,
 )
 
@@ -48,6 +54,8 @@ LAYERS = 4  # sliding-window, full, sliding-window, full
 KV_HEADS, HEAD_DIM, FLOAT32 = 2, 64, 4
 SEQUENTIAL = (150, 300, 1000, 2100)
 CONCURRENT = (700, 900, 1300)
+#: P's token budget per step: the longer prompts are computed in chunks.
+CHUNK = 512
 PREFILL_ENGINE_ID = "kvpush-e2e-groups-prefill"
 
 
@@ -97,7 +105,12 @@ def reference(tiny_model: Path, prompts: dict[int, list[int]], logs: Path) -> di
 @pytest.fixture(scope="module")
 def pair(tiny_model: Path, logs: Path, reference: dict[int, Any]) -> Iterator[Pair]:
     prefill, decode = kvpush_servers(
-        tiny_model, logs, PREFILL_ENGINE_ID, blocks=(BLOCK, BLOCK), layerwise="on"
+        tiny_model,
+        logs,
+        PREFILL_ENGINE_ID,
+        blocks=(BLOCK, BLOCK),
+        layerwise="on",
+        prefill_args=["--max-num-batched-tokens", str(CHUNK)],
     )
     with behind_proxy(prefill, decode, PREFILL_ENGINE_ID) as pair:
         yield pair
@@ -131,7 +144,9 @@ def test_p_streamed_layers_while_its_prefills_ran(pair: Pair, logs: Path) -> Non
     assert_layers_streamed(logs, pair.prefill.name, at_least=1)
 
 
-def test_every_prompt_token_came_from_p_in_exactly_the_groups_blocks(pair: Pair) -> None:
+def test_every_prompt_token_came_from_p_in_exactly_the_groups_blocks(
+    pair: Pair, logs: Path
+) -> None:
     metrics = pair.decode.metrics()
     prompt_tokens = metric_value(metrics, "vllm:prompt_tokens_total")
     from_p2p = metric_value(metrics, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
@@ -146,7 +161,20 @@ def test_every_prompt_token_came_from_p_in_exactly_the_groups_blocks(pair: Pair)
         for full, sliding in map(blocks_moved, SEQUENTIAL + CONCURRENT)
     )
     every_block = sum(blocks_moved(n)[0] * LAYERS * block_bytes for n in SEQUENTIAL + CONCURRENT)
+    lines = sends(logs, pair.prefill.name)
     sent = metric_value(pair.prefill.metrics(), "vllm:kvpush_bytes_sum")
-    print(f"P wrote {sent:.0f} bytes; the groups' blocks {expected}; every block {every_block}")
-    assert sent == expected
+    assert sent == sum(line["bytes"] for line in lines), "P's metrics and timelines disagree"
+    again = sum(line["rewritten_bytes"] for line in lines)
+    print(
+        f"P wrote {sent:.0f} bytes, {again} of them again; the groups' blocks {expected}; "
+        f"every block {every_block}"
+    )
+    assert sent - again == expected
     assert metric_value(pair.decode.metrics(), "vllm:kvpush_failures_total") == 0
+    # The prompts longer than a chunk streamed chunk by chunk (a chunk's edge block went
+    # twice); which of them did depends on when D's registration reached P.
+    assert again > 0, "no prompt streamed chunk by chunk"
+    # A prompt computed beside others may start and end in a step's leftover budget: one
+    # chunk more than its length needs, so at most ceil(n / CHUNK) chunk ends.
+    bound = sum(-(-n // CHUNK) * LAYERS * block_bytes for n in SEQUENTIAL + CONCURRENT)
+    assert again <= bound, "more than one block per layer and chunk end was written again"

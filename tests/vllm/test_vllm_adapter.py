@@ -21,7 +21,14 @@ from kvpush._native import lab
 from kvpush.exceptions import ConfigError, KvPushError, LayoutError
 from kvpush.vllm import _stats, config
 from kvpush.vllm._layers import Event
-from kvpush.vllm._layout import CacheGroups, Model, TensorView, layout_from_caches, views_by_group
+from kvpush.vllm._layout import (
+    CacheGroups,
+    Model,
+    TensorView,
+    WindowFree,
+    layout_from_caches,
+    views_by_group,
+)
 from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import PushWorker
 from kvpush.vllm.config import THREAD_CPUS_ENV, WorkerConfig, load_secret
@@ -235,6 +242,7 @@ def groups_config(*specs: object) -> SimpleNamespace:
 def test_p_and_d_list_a_sliding_window_group_from_its_window_on() -> None:
     groups = CacheGroups.from_vllm(groups_config(SlidingWindowSpec(32), AttentionSpec(32)))
     assert groups.windowed == (True, False)
+    assert groups.frees == ((WindowFree(sliding_window=40),), ())
     # P: 150 tokens, blocks 0-2 of the window group freed (vLLM's null block 0 in their place).
     p_sched = PushScheduler(groups=groups)
     p_sched.finished("p", {"do_remote_decode": True}, True, [[0, 0, 0, 7, 8], [1, 2, 3, 4, 5]], 150)
@@ -614,12 +622,67 @@ def test_a_chunked_prompt_streams_its_kv_so_far_chunk_by_chunk() -> None:
     sched.finished("p-req", P_PARAMS, True, [[3, 8, 1, 12, 7, 9, 4]], 100)
     (sent,) = sched.take_metadata().sends
     assert last == replace(sent, decided_at=last.decided_at), "the last is the send"
-    # A sliding-window group drops blocks between chunks: the prompt goes whole.
-    windowed = PushScheduler(groups=CacheGroups(block_size=16, windowed=(True,)), layerwise="on")
+    # A windowed group whose freeing is not known (or a request of unknown length): vLLM may
+    # free its blocks between chunks, under a stream still reading them; the prompt goes whole.
+    unknown = CacheGroups(block_size=16, windowed=(True,))
+    windowed = PushScheduler(groups=unknown, layerwise="on")
     windowed.external_tokens("p-win", P_PARAMS, 100, 0)
-    windowed.prefill_ends("p-win", [[3, 8, 1]], 100, 0, 40)
+    windowed.prefill_ends("p-win", [[3, 8, 1]], 100, 0, 40, max_tokens=1)
     windowed.prefill_continues("p-win", ([7, 9, 4],), False, 40, 60)
     assert windowed.take_metadata().streams == []
+    known = replace(unknown, frees=((WindowFree(sliding_window=40),),))
+    windowed = PushScheduler(groups=known, layerwise="on")
+    windowed.external_tokens("p-win", P_PARAMS, 100, 0)
+    windowed.prefill_ends("p-win", [[3, 8, 1]], 100, 0, 40, max_tokens=None)
+    windowed.prefill_continues("p-win", ([7, 9, 4],), False, 40, 60)
+    assert windowed.take_metadata().streams == []
+
+
+def test_a_chunked_prompt_with_a_sliding_window_streams_only_blocks_vllm_keeps() -> None:
+    # Group 0 full attention, group 1 a sliding window of 40 tokens; 16-token blocks; a prompt
+    # of 100 tokens in chunks of 40, 40 and 20, and one output token (P's leg).
+    groups = CacheGroups(
+        transfer_ids=(0, 1),
+        total=2,
+        block_size=16,
+        windowed=(False, True),
+        frees=((), (WindowFree(sliding_window=40),)),
+    )
+    # Before the step of its last chunk, the request computed 80 tokens at most (99 for any
+    # prompt of 100 with one output token): the window then skips 99 - 40 + 1 = 60 tokens, so
+    # the blocks from 48 on are never freed.
+    assert groups.kept_from(99) == (0, 48)
+    sched = PushScheduler(groups=groups, layerwise="on")
+    sched.external_tokens("p-win", P_PARAMS, 100, 0)
+    sched.prefill_ends("p-win", [[3, 8, 1], [4, 9, 2]], 100, 0, 40, max_tokens=1)
+    (first,) = sched.take_metadata().streams
+    # The first chunk ends before the window's kept blocks: the window group lists none.
+    assert (first.blocks, first.first_tokens, first.num_tokens) == (((3, 8, 1), ()), (0, 48), 40)
+    sched.prefill_continues("p-win", ([7, 12], [5, 6]), False, 40, 40)
+    (second,) = sched.take_metadata().streams
+    assert (second.blocks, second.first_tokens) == (((3, 8, 1, 7, 12), (5, 6)), (0, 48))
+    sched.prefill_continues("p-win", ([10, 11], [13, 14]), False, 80, 20)
+    (last,) = sched.take_metadata().streams
+    assert last.blocks == ((3, 8, 1, 7, 12, 10, 11), (5, 6, 13, 14))
+    # vLLM freed blocks 4 and 9 meanwhile (null block 0 in their place); the send is the last
+    # stream, so the request's WRITE goes on from it.
+    sched.finished(
+        "p-win", P_PARAMS, True, [[3, 8, 1, 7, 12, 10, 11], [0, 0, 2, 5, 6, 13, 14]], 100
+    )
+    (sent,) = sched.take_metadata().sends
+    assert last == replace(sent, decided_at=last.decided_at)
+    # A prompt computed in one step streams from the kept blocks too, and so is sent.
+    sched.external_tokens("p-one", P_PARAMS, 100, 0)
+    sched.prefill_ends("p-one", [[3, 8, 1, 7, 12, 10, 11], [4, 9, 2, 5, 6, 13, 14]], 100, 0, 100, 1)
+    (whole,) = sched.take_metadata().streams
+    assert (whole.blocks[1], whole.first_tokens) == ((5, 6, 13, 14), (0, 48))
+    # More output tokens computed on P: the window moves on before the request ends.
+    sched.external_tokens("p-more", P_PARAMS, 100, 0)
+    sched.prefill_ends(
+        "p-more", [[3, 8, 1, 7, 12, 10, 11], [4, 9, 2, 5, 6, 13, 14]], 100, 0, 100, 20
+    )
+    (more,) = sched.take_metadata().streams
+    assert (more.blocks[1], more.first_tokens) == ((6, 13, 14), (0, 64))
 
 
 def test_a_bad_layerwise_stops_the_start_naming_the_key_and_its_values() -> None:

@@ -36,7 +36,7 @@ import pytest
 import kvpush
 from kvpush._native import lab
 from kvpush.exceptions import LayoutError
-from kvpush.vllm._layout import NULL_BLOCK, CacheGroups, Model, views_by_group
+from kvpush.vllm._layout import NULL_BLOCK, CacheGroups, Model, WindowFree, views_by_group
 from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import PushWorker
 from kvpush.vllm.config import WorkerConfig
@@ -354,6 +354,7 @@ def test_a_tensor_shared_by_two_groups_is_a_region_of_each() -> None:
             [(ptr[NAMES[0]], 0), (ptr[NAMES[1]], 1), (ptr[NAMES[2]], 0), (ptr[NAMES[3]], 1)]
         )
         assert worker.groups.windowed == (True, False)
+        assert worker.groups.frees == ((WindowFree(sliding_window=WINDOW),), ())
         assert worker.groups.transfer_ids == (0, 1)
         assert cache.windowed
         assert "windowed-blocks-of-32" in cache.agreement()

@@ -227,6 +227,42 @@ def _layer_specs(spec: object) -> list[object]:
 
 
 @dataclass(frozen=True)
+class WindowFree:
+    """How vLLM's manager of a layer spec frees a request's blocks before its window while the
+    request still runs (``remove_skipped_blocks``, counting as ``get_num_skipped_tokens``
+    does): a sliding window (``SlidingWindowSpec``) or local attention chunks
+    (``ChunkedLocalAttentionSpec``)."""
+
+    sliding_window: int | None = None
+    #: Tokens a sliding window keeps past its trailing edge (speculative decoding's re-prefill).
+    extra_retained_tokens: int = 0
+    attention_chunk_size: int | None = None
+
+    @classmethod
+    def of(cls, spec: object) -> WindowFree | None:
+        """The freeing of one layer spec; None where its manager frees nothing early (a full
+        attention spec that carries a window, as vLLM makes one without its hybrid manager)."""
+        names = _spec_names(spec)
+        if "SlidingWindowSpec" in names:
+            window = int(spec.sliding_window)  # type: ignore[attr-defined]
+            extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+            return cls(sliding_window=window, extra_retained_tokens=extra)
+        if "ChunkedLocalAttentionSpec" in names:
+            chunk = int(spec.attention_chunk_size)  # type: ignore[attr-defined]
+            return cls(attention_chunk_size=chunk)
+        return None
+
+    def skipped(self, computed: int) -> int:
+        """The tokens before the window once ``computed`` tokens are: their blocks are freed."""
+        if self.sliding_window is not None:
+            # The window of the next token reaches back sliding_window - 1 tokens.
+            return max(0, computed - self.sliding_window + 1 - self.extra_retained_tokens)
+        if self.attention_chunk_size:
+            return computed // self.attention_chunk_size * self.attention_chunk_size
+        return 0
+
+
+@dataclass(frozen=True)
 class CacheGroups:
     """vLLM's KV cache groups as kvpush moves them: the groups that take part in KV transfer
     (``KVCacheGroupSpec.enable_kv_transfer``), numbered 0.. in vLLM's order (kvpush's
@@ -243,6 +279,9 @@ class CacheGroups:
     windowed: tuple[bool, ...] = (False,)
     #: Layer name to its moved group; layers of other groups are absent.
     layers: Mapping[str, int] = field(default_factory=dict)
+    #: Per moved group: how its layers' specs free blocks before a window while a request runs
+    #: (empty: never, or not known for a windowed group).
+    frees: tuple[tuple[WindowFree, ...], ...] = ((),)
 
     @classmethod
     def from_vllm(cls, kv_cache_config: object) -> CacheGroups:
@@ -253,6 +292,7 @@ class CacheGroups:
             raise LayoutError("vLLM's KV cache config has no KV cache groups")
         transfer_ids: list[int] = []
         windowed: list[bool] = []
+        frees: list[tuple[WindowFree, ...]] = []
         block_sizes: dict[int, list[int]] = {}
         layers: dict[str, int] = {}
         for index, group in enumerate(groups):
@@ -282,6 +322,7 @@ class CacheGroups:
                     for spec in specs
                 )
             )
+            frees.append(tuple(free for free in map(WindowFree.of, specs) if free is not None))
             block_sizes.setdefault(int(group.kv_cache_spec.block_size), []).append(index)
             layers.update((name, moved) for name in group.layer_names)
         if not transfer_ids:
@@ -292,11 +333,28 @@ class CacheGroups:
                 f"{dict(sorted(block_sizes.items()))}): kvpush moves one block size per worker"
             )
         (block_size,) = block_sizes
-        return cls(tuple(transfer_ids), len(groups), block_size, tuple(windowed), layers)
+        return cls(
+            tuple(transfer_ids), len(groups), block_size, tuple(windowed), layers, tuple(frees)
+        )
 
     @property
     def any_windowed(self) -> bool:
         return any(self.windowed)
+
+    def kept_from(self, computed: int) -> tuple[int, ...] | None:
+        """P, layer-wise push: per moved group, the first token of the first block vLLM keeps
+        for a request until it finishes, where the request computes at most ``computed``
+        tokens before it does: a window's earlier blocks are freed as the prompt's chunks go,
+        so a WRITE that may outlive its step reads only blocks from here on. 0 for a group that
+        frees nothing; None where a windowed group's freeing is not known."""
+        kept = []
+        for group, windowed in enumerate(self.windowed):
+            frees = self.frees[group] if group < len(self.frees) else ()
+            if windowed and not frees:
+                return None
+            skipped = max((free.skipped(computed) for free in frees), default=0)
+            kept.append(skipped // self.block_size * self.block_size)
+        return tuple(kept)
 
     def select(self, block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         """The moved groups' lists of the lists vLLM hands over (one per KV cache group)."""

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvpush.vllm._layout import CacheGroups, window_start
+from kvpush.vllm._layout import NULL_BLOCK, CacheGroups, window_start
 from kvpush.vllm._params import Refused, RemoteDecode, TransferParams, parse_params
 from kvpush.vllm.config import LAYERWISE_AUTO_MIN_TOKENS
 from kvpush.vllm.metadata import PushMetadata, RecvRefused, RecvRequest, SendRequest
@@ -53,6 +53,11 @@ class PushScheduler:
         #: P, layer-wise push: prompts computed over several steps, with their blocks so far
         #: (per group) and their length, until the step of their last chunk.
         self._chunked: dict[str, tuple[list[list[int]], int]] = {}
+        #: P, layer-wise push: per streamed request of a model with a window that frees blocks
+        #: as the prompt's chunks go (sliding window, local attention chunks), each group's first
+        #: token of the blocks vLLM keeps until the request finishes (``CacheGroups.kept_from``).
+        #: Its streams and its send list each group's blocks from there, never a freed one.
+        self._kept: dict[str, tuple[int, ...]] = {}
         #: P, layer-wise push: requests a step's streams named (their layers may have gone to D
         #: with WRITEs still in flight), until they finish.
         self._streamed: set[str] = set()
@@ -284,6 +289,7 @@ class PushScheduler:
         """
         refused_before = request_id in self._settled
         streamed = request_id in self._streamed
+        kept = self._kept.pop(request_id, None)
         self._settled.discard(request_id)
         self._chunked.pop(request_id, None)
         self._streamed.discard(request_id)
@@ -315,7 +321,7 @@ class PushScheduler:
         if not finished_normally or not any(blocks):
             self._pending.aborts.append((request_id, transfer_id))
             return False, None
-        send = self._send(request_id, transfer_id, blocks, prompt_tokens)
+        send = self._send(request_id, transfer_id, blocks, prompt_tokens, kept)
         answer = {
             **self._identity,
             "do_remote_prefill": True,
@@ -333,17 +339,25 @@ class PushScheduler:
         transfer_id: str | None,
         blocks: Sequence[Sequence[int]],
         prompt_tokens: int,
+        kept: Sequence[int] | None = None,
     ) -> SendRequest:
-        """P's KV of a prompt in ``blocks`` (vLLM's lists, every group), as sent to D."""
+        """P's KV of a prompt in ``blocks`` (vLLM's lists, every group), as sent to D: each
+        group's blocks from its first token ``kept`` on, where given."""
         moved = self._moved(blocks)
         if self._groups is None:
             first_tokens: tuple[int, ...] = ()
         else:
             # vLLM's null block stands for the blocks a sliding window dropped: never sent (any
             # group: a null block is never KV), the group's list starts after them.
-            starts = [window_start(group, self._groups.block_size) for group in moved]
+            size = self._groups.block_size
+            starts = [window_start(group, size) for group in moved]
+            if kept is not None:
+                starts = [
+                    (first, ids) if first >= keep else (keep, ids[(keep - first) // size :])
+                    for (first, ids), keep in zip(starts, kept, strict=True)
+                ]
             first_tokens = tuple(start for start, _ in starts)
-            moved = tuple(kept for _, kept in starts)
+            moved = tuple(ids for _, ids in starts)
         return SendRequest(
             request_id=request_id,
             transfer_id=transfer_id,
@@ -364,6 +378,7 @@ class PushScheduler:
         prompt_tokens: int,
         num_computed: int,
         num_scheduled: int,
+        max_tokens: int | None = None,
     ) -> None:
         """P, layer-wise push: a request scheduled in this step for the first time, with its
         blocks. When the step computes the rest of its prompt, its KV goes in this step's
@@ -371,17 +386,31 @@ class PushScheduler:
         it runs. A prompt chunked over several steps streams chunk by chunk (here and in
         :meth:`prefill_continues`): each step's stream is the prompt's KV so far, its tokens
         before the chunk's end in the blocks that hold them (only the last chunk, with the whole
-        prompt's KV, where the block size is not known). Not with a sliding-window group, which
-        drops blocks between chunks: a chunked prompt then goes whole."""
+        prompt's KV, where the block size is not known).
+
+        A sliding window (or local attention chunks) frees a group's blocks before the window as
+        the request computes, possibly while a WRITE of an earlier step still reads them. So the
+        streams and the send list such a group's blocks only from the first one vLLM keeps until
+        the request ends, computing ``max_tokens`` tokens at most (the tokens D's window needs
+        start there or later). Where that is not known (no ``max_tokens``, a window kvpush does
+        not know), a chunked prompt goes whole."""
         asked = self._streamed_decode(request_id, prompt_tokens)
         if asked is None or not any(blocks):
             return
+        windowed = self._groups is not None and self._groups.any_windowed
+        kept = None
+        if self._groups is not None and windowed and max_tokens is not None:
+            # The most tokens computed before any step that frees blocks: the prompt but its
+            # last token and the output but its last.
+            kept = self._groups.kept_from(prompt_tokens + max(max_tokens, 1) - 2)
+        if kept is not None:
+            self._kept[request_id] = kept
         # At or past the prompt's end (a resumed request recomputes its output tokens too):
         # every prompt token's KV of a layer is final once this step ran the layer.
         end = num_computed + num_scheduled
         if end >= prompt_tokens:
-            self._stream(self._send(request_id, asked.transfer_id, blocks, prompt_tokens))
-        elif not (self._groups and self._groups.any_windowed):
+            self._stream(self._send(request_id, asked.transfer_id, blocks, prompt_tokens, kept))
+        elif not windowed or kept is not None:
             self._chunked[request_id] = ([list(group) for group in blocks], prompt_tokens)
             self._stream_chunk(request_id, asked, blocks, end)
 
@@ -416,7 +445,8 @@ class PushScheduler:
         del self._chunked[request_id]
         asked = self._streamed_decode(request_id, prompt_tokens)
         if asked is not None and any(blocks):
-            self._stream(self._send(request_id, asked.transfer_id, blocks, prompt_tokens))
+            kept = self._kept.get(request_id)
+            self._stream(self._send(request_id, asked.transfer_id, blocks, prompt_tokens, kept))
 
     def _stream_chunk(
         self,
@@ -432,8 +462,11 @@ class PushScheduler:
             return
         count = -(-end // self._groups.block_size)
         chunk = [list(group[:count]) for group in blocks]
-        if any(chunk):
-            self._stream(self._send(request_id, asked.transfer_id, chunk, end))
+        send = self._send(request_id, asked.transfer_id, chunk, end, self._kept.get(request_id))
+        # The connector's copy of a group's blocks does not see vLLM free them: a null block
+        # past the kept ones would mean it freed one anyway, and the chunk waits for the rest.
+        if any(send.blocks) and all(NULL_BLOCK not in group for group in send.blocks):
+            self._stream(send)
 
     def _stream(self, send: SendRequest) -> None:
         self._pending.streams.append(send)
@@ -457,6 +490,7 @@ class PushScheduler:
         (D, waiting for its KV)."""
         self._settled.discard(request_id)
         self._chunked.pop(request_id, None)
+        self._kept.pop(request_id, None)
         self._streamed.discard(request_id)
         self._read.pop(request_id, None)
         if request_id in self._receiving:

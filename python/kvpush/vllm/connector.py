@@ -300,6 +300,7 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                     len(new.prompt_token_ids or ()),
                     new.num_computed_tokens,
                     scheduled.get(new.req_id, 0),
+                    getattr(new.sampling_params, "max_tokens", None),
                 )
             except Exception:
                 logger.exception(
