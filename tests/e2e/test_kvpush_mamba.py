@@ -56,21 +56,34 @@ def test_vllm_serves_the_hybrid_model_on_its_own(tiny_model: Path, logs: Path) -
     assert len(sizes.group(1).split(",")) == 2, f"not a Mamba and an attention group: {sizes[0]}"
 
 
+@pytest.fixture(scope="module")
+def refused(tiny_model: Path, logs: Path) -> dict[str, VllmServer]:
+    """A P and a D server with kvpush's connector, started together (a core each) and waited
+    for until both exited (neither may start), by role."""
+    secret = secrets.token_hex(16)
+    servers = {
+        role: VllmServer(
+            f"refused-{role}",
+            tiny_model,
+            logs,
+            cpu=cpu,
+            kv_transfer_config={**kvpush_config(role), "engine_id": role},
+            extra_env=kvpush_env(secret),
+            extra_args=SERVER_ARGS,
+        )
+        for role, cpu in (("kv_producer", "0"), ("kv_consumer", "1"))
+    }
+    with pytest.raises(RuntimeError, match="exited"), running(*servers.values(), timeout_s=240):
+        pass
+    return servers
+
+
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
 def test_kvpush_refuses_mamba_state_at_startup_with_the_reason(
-    tiny_model: Path, logs: Path, role: str
+    refused: dict[str, VllmServer], role: str
 ) -> None:
-    server = VllmServer(
-        f"refused-{role}",
-        tiny_model,
-        logs,
-        cpu="0",
-        kv_transfer_config={**kvpush_config(role), "engine_id": role},
-        extra_env=kvpush_env(secrets.token_hex(16)),
-        extra_args=SERVER_ARGS,
-    )
-    with pytest.raises(RuntimeError, match="exited") as refused, running(server, timeout_s=240):
-        pass
-    message = str(refused.value)
-    assert "LayoutError" in message
-    assert "Mamba/SSM state layers" in message
+    server = refused[role]
+    assert server.ready_after_s is None, f"{server.name} started"
+    log = server.log_text()
+    assert "LayoutError" in log, server.log_tail()
+    assert "Mamba/SSM state layers" in log, server.log_tail()
