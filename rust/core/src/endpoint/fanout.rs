@@ -129,7 +129,7 @@ impl FanOut {
     }
 
     /// Bytes streamed layer by layer, and bytes written again, over every slot.
-    pub(crate) fn streamed_bytes(&self) -> (u64, u64) {
+    pub(crate) fn streamed_and_rewritten(&self) -> (u64, u64) {
         (self.streamed_bytes, self.rewritten_bytes)
     }
 

@@ -705,7 +705,7 @@ fn report_send<T: Transport>(
             return;
         }
         (outcome, bytes, runs) = group.result();
-        (streamed_bytes, rewritten_bytes) = group.streamed_bytes();
+        (streamed_bytes, rewritten_bytes) = group.streamed_and_rewritten();
         groups.remove(&base);
         key = base;
     }
