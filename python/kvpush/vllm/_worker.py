@@ -30,6 +30,9 @@ from kvpush.vllm.metadata import PushMetadata, RecvRefused, RecvRequest, SendReq
 
 logger = logging.getLogger("vllm.kvpush")
 
+#: No streams (they are immutable, so every step without any shares this one).
+NONE = LayerStreams()
+
 
 @contextmanager
 def _threads_born_on(cpus: set[int] | None) -> Iterator[None]:
@@ -104,7 +107,7 @@ class PushWorker:
         #: step's streams (read once per step, see `_layer_streams`), and the gate that hands a
         #: layer over once its KV is final (see `save_layer`).
         self._layer_regions: dict[str, tuple[int, int]] = {}
-        self._streams = LayerStreams()
+        self._streams = NONE
         self._layer_events = layer_events
         self._gate = LayerGate(self._stream_layer)
 
@@ -220,7 +223,9 @@ class PushWorker:
         alone is reported finished (a receive also failed) so vLLM frees or recomputes it."""
         self._idle_step = metadata.idle
         if self._layer_regions:
-            self._streams = self._layer_streams(metadata.streams)
+            self._streams = self._layer_streams(metadata.streams) if metadata.streams else NONE
+        if not (metadata or self._busy_aborts or self._busy_cancels):
+            return  # most steps: nothing to start or end
         for send in metadata.sends:
             self._ready(send)
         # Each with whether vLLM holds its blocks until reported (it streamed layers).
@@ -269,14 +274,14 @@ class PushWorker:
                 "kvpush: requests %s do not stream their layers (each WRITE carries them all)",
                 [s.request_id for s in streams],
             )
-            return LayerStreams()
+            return NONE
 
     def save_layer(self, layer_name: str) -> None:
         """P, layer-wise push: the forward pass ran ``layer_name`` (a GPU one queued its
         kernels): once its KV of the step's streams is final, the endpoint writes it where D
         registered (and nothing happens where D did not). Never raises, and never waits for
         the kernels or the transfer."""
-        if not self._streams:
+        if self._streams is NONE:
             return
         regions = self._layer_regions.get(layer_name)
         if regions is None:
@@ -303,7 +308,7 @@ class PushWorker:
 
     def end_forward(self) -> None:
         """The step's forward is over: its streams end."""
-        self._streams = LayerStreams()
+        self._streams = NONE
 
     def _ready(self, send: SendRequest) -> None:
         """P: the KV of a finished prefill may be written to D."""

@@ -66,14 +66,13 @@ class KvPushMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """What the scheduler ships to every worker each step."""
 
     def __init__(self, push: PushMetadata) -> None:
-        self.push = push
+        self.push: PushMetadata | None = push
 
-    def take(self) -> PushMetadata:
-        """The instructions, once: a second call (vLLM binds and starts each step) gets none,
-        but still says whether the step is idle and which prefills it ends (the streams), which
-        are the step's, not instructions."""
-        push = self.push
-        self.push = PushMetadata(idle=push.idle, streams=push.streams)
+    def take(self) -> PushMetadata | None:
+        """The step's instructions, once: vLLM hands the metadata over twice a step (it binds
+        it, then starts the loads), and the second hand-over gets None, leaving the worker as
+        the first left it (the step's idleness and streams included)."""
+        push, self.push = self.push, None
         return push
 
 
@@ -386,8 +385,11 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def _apply(self, metadata: KVConnectorMetadata) -> None:
         if self._worker is None or not isinstance(metadata, KvPushMetadata):
             return
+        push = metadata.take()
+        if push is None:
+            return  # bound already (start_load_kv after bind_connector_metadata)
         try:
-            self._worker.apply(metadata.take())
+            self._worker.apply(push)
         except Exception:
             logger.exception("kvpush: a step's instructions failed; please report this")
 
