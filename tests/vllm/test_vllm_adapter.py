@@ -7,7 +7,7 @@ import ctypes
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kvpush
-from kvpush._native import lab
+from kvpush._native import LayerStreams, lab
 from kvpush.exceptions import ConfigError, KvPushError, LayoutError
 from kvpush.vllm import _stats, config
 from kvpush.vllm._layers import Event
@@ -32,6 +32,7 @@ from kvpush.vllm._layout import (
 from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import PushWorker
 from kvpush.vllm.config import THREAD_CPUS_ENV, WorkerConfig, load_secret
+from kvpush.vllm.metadata import SendRequest
 from tests.support.layers import Events
 
 HEADS, HEAD = 2, 4  # KV heads per rank, head size (float32)
@@ -458,6 +459,106 @@ def test_layers_stream_as_the_forward_runs_them_and_the_last_write_carries_the_r
         p.apply(p_sched.take_metadata())
         assert wait_finished(p, d) == ({"p-req"}, {"d-req"})
         assert all(landed(layer) for layer in range(3))
+    finally:
+        p.close()
+        d.close()
+
+
+class StreamSpy:
+    """P's endpoint, recording the regions of each ``streams_ready`` and every other call."""
+
+    def __init__(self, endpoint: Any) -> None:
+        self._endpoint = endpoint
+        self.streamed: list[tuple[list[str], int, int]] = []
+        self.calls: list[str] = []
+
+    def streams_ready(self, streams: Any, start: int, end: int) -> None:
+        self.streamed.append((streams.request_ids, start, end))
+        self._endpoint.streams_ready(streams, start, end)
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls.append(name)
+        return getattr(self._endpoint, name)
+
+
+def worker_connector(push_worker: PushWorker) -> Any:
+    """The worker role's real connector around ``push_worker`` (its constructor would read
+    vLLM's distributed state, which this process has not set up)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorRole,
+    )
+
+    from kvpush.vllm.connector import KvPushConnector
+
+    connector = KvPushConnector.__new__(KvPushConnector)
+    config = SimpleNamespace(kv_transfer_config=object())
+    KVConnectorBase_V1.__init__(connector, config, KVConnectorRole.WORKER, None)
+    connector._scheduler = None
+    connector._worker = push_worker
+    connector._groups = None
+    return connector
+
+
+def vllm_step(connector: Any, metadata: Any, layers: int) -> None:
+    """One step of the worker's hooks in the order vLLM's model runner calls them
+    (``KVConnectorModelRunnerMixin._get_kv_connector_output``, loads started after the
+    forward)."""
+    connector.bind_connector_metadata(metadata)
+    for layer in range(layers):
+        connector.wait_for_layer_load(f"layers.{layer}")
+        connector.save_kv_layer(f"layers.{layer}", None, None)
+    connector.start_load_kv(None)
+    connector.wait_for_save()
+    connector.get_transfer_results(set())
+    connector.get_block_ids_with_load_errors()
+    connector.get_kv_connector_stats()
+    connector.clear_connector_metadata()
+
+
+def test_vllms_hook_order_hands_each_layer_over_once_and_a_plain_step_does_no_endpoint_work() -> (
+    None
+):
+    # vLLM binds a step's metadata, runs the forward, then starts the loads with the same
+    # metadata: the step's streams are read once, each layer goes once, and a later step
+    # without instructions asks the endpoint for nothing but its events.
+    pytest.importorskip("vllm")
+    from kvpush.vllm.connector import KvPushMetadata
+
+    p_caches, d_caches = cpu_caches(3, 16, 32, seed=6), cpu_caches(3, 16, 32, seed=None)
+    p = worker("prefill-hooks", p_caches, 32, 0, layerwise="on")
+    d = worker("decode-hooks", d_caches, 32, 0)
+    p_blocks, d_blocks = [3, 8, 1, 12], [6, 3, 9, 0]
+    try:
+        p_sched = PushScheduler(layerwise="on")
+        registered_with_p(p, d, d_blocks, p_sched)
+        spy = StreamSpy(p.endpoint)
+        p._endpoint = spy  # type: ignore[assignment]
+        connector = worker_connector(p)
+        reads: list[int] = []
+        read = p._layer_streams
+
+        def counted(streams: Sequence[SendRequest]) -> LayerStreams:
+            reads.append(len(streams))
+            return read(streams)
+
+        p._layer_streams = counted  # type: ignore[method-assign]
+        p_sched.prefill_ends("p-req", [p_blocks], 100, 0, 100)
+        vllm_step(connector, KvPushMetadata(p_sched.take_metadata()), layers=3)
+        assert spy.streamed == [(["p-req"], 0, 1), (["p-req"], 1, 2), (["p-req"], 2, 3)]
+        assert reads == [1], "the step's streams are read once"
+        spy.calls.clear()
+        for _ in range(3):
+            vllm_step(connector, KvPushMetadata(p_sched.take_metadata()), layers=3)
+        assert len(spy.streamed) == 3, "steps without streams stream nothing"
+        assert reads == [1], "nor read any"
+        assert set(spy.calls) == {"poll"}, spy.calls
+        p_sched.finished("p-req", P_PARAMS, True, [p_blocks], 100)
+        vllm_step(connector, KvPushMetadata(p_sched.take_metadata()), layers=3)
+        assert wait_finished(p, d) == ({"p-req"}, {"d-req"})
+        assert all(
+            layer_landed(p_caches, d_caches, layer, p_blocks, d_blocks) for layer in range(3)
+        )
     finally:
         p.close()
         d.close()
