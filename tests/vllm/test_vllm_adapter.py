@@ -33,6 +33,7 @@ from kvpush.vllm._scheduler import PushScheduler
 from kvpush.vllm._worker import PushWorker
 from kvpush.vllm.config import THREAD_CPUS_ENV, WorkerConfig, load_secret
 from kvpush.vllm.metadata import SendRequest
+from kvpush_lab.bench.engine import worker_connector
 from tests.support.layers import Events
 
 HEADS, HEAD = 2, 4  # KV heads per rank, head size (float32)
@@ -481,25 +482,6 @@ class StreamSpy:
         return getattr(self._endpoint, name)
 
 
-def worker_connector(push_worker: PushWorker) -> Any:
-    """The worker role's real connector around ``push_worker`` (its constructor would read
-    vLLM's distributed state, which this process has not set up)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1,
-        KVConnectorRole,
-    )
-
-    from kvpush.vllm.connector import KvPushConnector
-
-    connector = KvPushConnector.__new__(KvPushConnector)
-    config = SimpleNamespace(kv_transfer_config=object())
-    KVConnectorBase_V1.__init__(connector, config, KVConnectorRole.WORKER, None)
-    connector._scheduler = None
-    connector._worker = push_worker
-    connector._groups = None
-    return connector
-
-
 def vllm_step(connector: Any, metadata: Any, layers: int) -> None:
     """One step of the worker's hooks in the order vLLM's model runner calls them
     (``KVConnectorModelRunnerMixin._get_kv_connector_output``, loads started after the
@@ -534,7 +516,7 @@ def test_vllms_hook_order_hands_each_layer_over_once_and_a_plain_step_does_no_en
         registered_with_p(p, d, d_blocks, p_sched)
         spy = StreamSpy(p.endpoint)
         p._endpoint = spy  # type: ignore[assignment]
-        connector = worker_connector(p)
+        connector = worker_connector(SimpleNamespace(kv_transfer_config=object()), p)
         reads: list[int] = []
         read = p._layer_streams
 
