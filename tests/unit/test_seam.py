@@ -7,6 +7,9 @@ import array
 import importlib
 import pickle
 import random
+import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -133,6 +136,51 @@ def test_a_forward_s_streams_are_read_once_from_any_object_with_their_attributes
         # No D registered: nothing to write, and nothing refused.
         endpoint.streams_ready(streams, 0, 2)
         endpoint.streams_ready(LayerStreams(), 0, 2)
+
+
+def test_the_calls_an_engine_step_makes_keep_the_gil() -> None:
+    # Released for the microseconds such a call takes, the GIL goes to any other Python thread
+    # that wants it (vLLM's input and output threads, under load), and the engine thread then
+    # waits up to the interpreter's switch interval to get it back. These calls never wait, so
+    # they keep it: a thread that wants the GIL runs only where a call gave it up. (Catching a
+    # call that gives it up is a race the other thread wins now and then: against calls that
+    # released it, 3,000 of them let it in on 8 runs of 10.)
+    from kvpush._native import LayerStreams
+    from kvpush.vllm._layers import Stream
+
+    spins = 0
+    running = True
+
+    def spin() -> None:
+        nonlocal spins
+        while running:
+            spins += 1
+            time.sleep(0)  # gives the GIL back at once: it wants it, it does not hog it
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)  # no forced switch: only a call that gives the GIL up lets it run
+    spinner = threading.Thread(target=spin, daemon=True)
+    try:
+        with loopback() as endpoint:
+            spinner.start()
+            streams = LayerStreams([Stream("req-s", [[2, 3]], 32, None, None)])
+            before = spins
+            for i in range(500):
+                endpoint.expect(f"req-d{i}", "127.0.0.1:9", [[0, 1]], 32)
+                endpoint.cancel(f"req-d{i}")
+                endpoint.ready(f"req-p{i}", [[0, 1]], 32)
+                endpoint.abort(f"req-p{i}")
+                endpoint.layers_ready(f"req-l{i}", [[2, 3]], 32, 0, 1)
+                endpoint.streams_ready(streams, 0, 1)
+            held = spins - before
+            endpoint.wait(0.05)  # a wait gives the GIL up: the other thread runs
+            released = spins - before - held
+    finally:
+        running = False
+        sys.setswitchinterval(interval)
+        spinner.join(10.0)
+    assert held == 0, f"the other thread ran {held} times during the calls"
+    assert released > 0, "the check sees a call that gives the GIL up"
 
 
 def test_options_are_checked_when_made_and_replace_checks_again() -> None:

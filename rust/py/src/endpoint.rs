@@ -15,7 +15,7 @@ use pyo3::types::PyDict;
 use crate::blocks::Groups;
 use crate::errors::Error;
 use crate::event::{AbortOutcome, TransferEvent};
-use crate::native::{detached, native};
+use crate::native::{detached, held, native};
 use crate::options::{seconds, EndpointOptions, TransportKind};
 use crate::planner::KvLayout;
 
@@ -153,7 +153,6 @@ impl Endpoint {
     #[allow(clippy::too_many_arguments)]
     fn ready(
         &self,
-        py: Python<'_>,
         request_id: String,
         blocks: Groups,
         num_tokens: u64,
@@ -163,7 +162,7 @@ impl Endpoint {
     ) -> PyResult<()> {
         let ttl = seconds(ttl, "ttl")?;
         let ready = ready_kv(request_id, transfer_id, blocks, first_tokens, num_tokens, ttl)?;
-        native(py, || self.0.ready(ready).map_err(Error::from))
+        held(|| self.0.ready(ready).map_err(Error::from))
     }
 
     /// P, layer-wise push: the KV of regions `start..end` (layout order: a layer's K and V, or
@@ -176,7 +175,6 @@ impl Endpoint {
     #[allow(clippy::too_many_arguments)]
     fn layers_ready(
         &self,
-        py: Python<'_>,
         request_id: String,
         blocks: Groups,
         num_tokens: u64,
@@ -187,20 +185,14 @@ impl Endpoint {
     ) -> PyResult<()> {
         let ready =
             ready_kv(request_id, transfer_id, blocks, first_tokens, num_tokens, Duration::ZERO)?;
-        native(py, || self.0.layers_ready(ready, start..end).map_err(Error::from))
+        held(|| self.0.layers_ready(ready, start..end).map_err(Error::from))
     }
 
     /// P, layer-wise push: `layers_ready` for every request of `streams` at once (one call per
     /// layer of a forward pass, however many requests it computes). An error means nothing was
     /// streamed.
-    fn streams_ready(
-        &self,
-        py: Python<'_>,
-        streams: &LayerStreams,
-        start: usize,
-        end: usize,
-    ) -> PyResult<()> {
-        native(py, || self.0.streams_ready(&streams.0, start..end).map_err(Error::from))
+    fn streams_ready(&self, streams: &LayerStreams, start: usize, end: usize) -> PyResult<()> {
+        held(|| self.0.streams_ready(&streams.0, start..end).map_err(Error::from))
     }
 
     /// P: the request was aborted. Returns `AbortOutcome.RELEASED` (free the blocks),
@@ -213,7 +205,7 @@ impl Endpoint {
         request_id: &str,
         transfer_id: Option<&str>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let outcome = native(py, || self.0.abort(request_id, transfer_id).map_err(Error::from))?;
+        let outcome = held(|| self.0.abort(request_id, transfer_id).map_err(Error::from))?;
         AbortOutcome::from(outcome).member(py)
     }
 
@@ -232,7 +224,6 @@ impl Endpoint {
     #[allow(clippy::too_many_arguments)]
     fn expect(
         &self,
-        py: Python<'_>,
         request_id: String,
         source: Sources,
         blocks: Groups,
@@ -253,12 +244,12 @@ impl Endpoint {
             ttl: seconds(ttl, "ttl")?,
             share: share.map(|(slot, of)| Share { slot, of }),
         };
-        native(py, || self.0.expect(expectation).map_err(Error::from))
+        held(|| self.0.expect(expectation).map_err(Error::from))
     }
 
     /// D: stop awaiting `request_id`; a "cancelled" event follows once P confirmed.
-    fn cancel(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
-        native(py, || self.0.cancel(request_id).map_err(Error::from))
+    fn cancel(&self, request_id: &str) -> PyResult<()> {
+        held(|| self.0.cancel(request_id).map_err(Error::from))
     }
 
     /// Every event since the last call; never blocks, not even while another thread is in

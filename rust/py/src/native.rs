@@ -1,4 +1,5 @@
-//! The one path every long native call takes from Python into the core.
+//! The paths every native call takes from Python into the core: a long one releases the GIL
+//! ([`native`]), a short one that never waits keeps it ([`held`]).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -21,7 +22,27 @@ where
     T: Send,
     E: Into<Error> + Send,
 {
-    match py.detach(|| catch_unwind(AssertUnwindSafe(work))) {
+    answer(py.detach(|| catch_unwind(AssertUnwindSafe(work))))
+}
+
+/// [`native`] for a short call that never waits (it sends the writer a command, taking at most
+/// locks that no thread holds across a wait or a transport call): it keeps the GIL. Released
+/// for a few microseconds, the GIL goes to any other Python thread that wants it (vLLM's input
+/// and output threads, under load), and the engine thread then waits up to the interpreter's
+/// switch interval (5 ms) to get it back.
+pub(crate) fn held<T, E>(work: impl FnOnce() -> Result<T, E>) -> PyResult<T>
+where
+    E: Into<Error>,
+{
+    answer(catch_unwind(AssertUnwindSafe(work)))
+}
+
+/// A native call's result as Python sees it: the core's error mapped by [`Error`], a panic a
+/// `KvPushError`.
+fn answer<T, E: Into<Error>>(
+    result: Result<Result<T, E>, Box<dyn std::any::Any + Send>>,
+) -> PyResult<T> {
+    match result {
         Ok(result) => result.map_err(|error| PyErr::from(error.into())),
         Err(panic) => {
             let what = panic
