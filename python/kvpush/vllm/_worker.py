@@ -31,7 +31,7 @@ from kvpush.vllm.metadata import PushMetadata, RecvRefused, RecvRequest, SendReq
 logger = logging.getLogger("vllm.kvpush")
 
 #: No streams (they are immutable, so every step without any shares this one).
-NONE = LayerStreams()
+NO_STREAMS = LayerStreams()
 
 
 @contextmanager
@@ -107,7 +107,7 @@ class PushWorker:
         #: step's streams (read once per step, see `_layer_streams`), and the gate that hands a
         #: layer over once its KV is final (see `save_layer`).
         self._layer_regions: dict[str, tuple[int, int]] = {}
-        self._streams = NONE
+        self._streams = NO_STREAMS
         self._layer_events = layer_events
         self._gate = LayerGate(self._stream_layer)
 
@@ -223,7 +223,9 @@ class PushWorker:
         alone is reported finished (a receive also failed) so vLLM frees or recomputes it."""
         self._idle_step = metadata.idle
         if self._layer_regions:
-            self._streams = self._layer_streams(metadata.streams) if metadata.streams else NONE
+            self._streams = (
+                self._layer_streams(metadata.streams) if metadata.streams else NO_STREAMS
+            )
         if not (metadata or self._busy_aborts or self._busy_cancels):
             return  # most steps: nothing to start or end
         for send in metadata.sends:
@@ -274,14 +276,14 @@ class PushWorker:
                 "kvpush: requests %s do not stream their layers (each WRITE carries them all)",
                 [s.request_id for s in streams],
             )
-            return NONE
+            return NO_STREAMS
 
     def save_layer(self, layer_name: str) -> None:
         """P, layer-wise push: the forward pass ran ``layer_name`` (a GPU one queued its
         kernels): once its KV of the step's streams is final, the endpoint writes it where D
         registered (and nothing happens where D did not). Never raises, and never waits for
         the kernels or the transfer."""
-        if self._streams is NONE:
+        if self._streams is NO_STREAMS:
             return
         regions = self._layer_regions.get(layer_name)
         if regions is None:
@@ -308,7 +310,7 @@ class PushWorker:
 
     def end_forward(self) -> None:
         """The step's forward is over: its streams end."""
-        self._streams = NONE
+        self._streams = NO_STREAMS
 
     def _ready(self, send: SendRequest) -> None:
         """P: the KV of a finished prefill may be written to D."""
