@@ -102,6 +102,7 @@ def add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         control,
         core,
         engine,
+        gil,
         idle,
         layers,
         scale,
@@ -127,6 +128,7 @@ def add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         ("control", control, "P's per-request control path and matching: kvpush vs vLLM's code"),
         ("engine", engine, "connector time per engine step on vLLM's scheduler, 1-512 in flight"),
         ("layers", layers, "P's engine-thread time per forward handing layers to the writer"),
+        ("gil", gil, "the engine step's endpoint calls keep the GIL: timed with a thread busy"),
         ("serving", serving, "kvpush vs vLLM's NixlPushConnector and NixlConnector, real servers"),
         ("client", client, "vllm bench serve: P/D pairs behind kvpush proxy, aggregated floors"),
     ):

@@ -7,6 +7,8 @@ The steps, in order (cheap and self-contained first, the vLLM servers last):
 * ``control``: P's per-request control path and matching under load, kvpush vs vLLM's code;
 * ``engine``: the connectors' time per engine step on vLLM's real scheduler, 1 to 512 in flight;
 * ``layers``: P's engine-thread time per forward handing layers to the writer (layer-wise push);
+* ``gil``: the endpoint calls an engine step makes, with another Python thread busy (they keep
+  the GIL), beside a call as short that gives it up;
 * ``idle``: an idle, warm P+D pair's CPU, kvpush endpoints vs NIXL agents;
 * ``scale``: one P under 1, 256 and 1,024 D peers (threads, fds, memory, idle CPU, match
   latency) and P restarting under all of them;
@@ -37,6 +39,7 @@ STEPS = (
     "control",
     "engine",
     "layers",
+    "gil",
     "idle",
     "scale",
     "transfer",
@@ -64,6 +67,14 @@ def _engine(doc: Path, quick: bool) -> int:
     parser = argparse.ArgumentParser()
     engine.add_arguments(parser)
     return engine.main(parser.parse_args(["--markdown", str(doc), *(["--quick"] if quick else [])]))
+
+
+def _gil(doc: Path, quick: bool) -> int:
+    from kvpush_lab.bench import gil
+
+    parser = argparse.ArgumentParser()
+    gil.add_arguments(parser)
+    return gil.main(parser.parse_args(["--markdown", str(doc), *(["--quick"] if quick else [])]))
 
 
 def _layers(doc: Path, quick: bool) -> int:
@@ -131,6 +142,7 @@ RUNNERS: dict[str, Callable[[Path, bool], int]] = {
     "control": _control,
     "engine": _engine,
     "layers": _layers,
+    "gil": _gil,
     "idle": _idle,
     "scale": _scale,
     "transfer": _transfer,

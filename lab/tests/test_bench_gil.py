@@ -1,0 +1,45 @@
+"""``kvpush bench gil``: every endpoint call an engine step makes is timed alone and with another
+Python thread busy, beside a call that gives the GIL up, and the section is written. The times
+themselves are not asserted (the machine is shared)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvpush_lab.bench import gil, report
+
+
+def test_every_call_is_timed_both_ways_and_the_section_is_written(tmp_path: Path) -> None:
+    lines: list[str] = []
+    samples = gil.run(20, progress=lines.append)
+    assert [s.call for s in samples] == [
+        "expect (D)",
+        "cancel (D)",
+        "ready (P)",
+        "abort (P)",
+        "streams_ready (P, a layer)",
+        "poll (keeps the GIL)",
+        gil.RELEASES,
+    ]
+    for s in samples:
+        assert len(s.alone) == len(s.busy) == 20, s.call
+        assert all(ns > 0 for ns in s.alone + s.busy), s.call
+    assert len(lines) == 2
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n")
+    report.replace_section(doc, gil.SECTION, gil.markdown(samples, "cmd"))
+    text = doc.read_text()
+    assert f"## {gil.SECTION}" in text
+    assert "| ready (P) |" in text
+    assert "the call that gives the GIL up took" in text
+
+
+def test_the_command_runs_in_quick_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    gil.add_arguments(parser)
+    assert gil.main(parser.parse_args(["--quick"])) == 0
+    out = capsys.readouterr().out
+    assert "calls over 1 ms, busy" in out
