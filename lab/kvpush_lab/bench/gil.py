@@ -148,7 +148,9 @@ def findings(samples: Sequence[Samples]) -> list[str]:
         f"{report.microseconds(held_mean)} µs on average, {slow} of {total} over 1 ms; the call "
         f"that gives the GIL up took {report.microseconds(_mean(reference.busy))} µs on average, "
         f"{sum(ns > SLOW_NS for ns in reference.busy)} of {len(reference.busy)} over 1 ms "
-        "(waiting for the GIL to come back).",
+        "(waiting for the GIL to come back). A call that keeps it can still wait for it now "
+        "and then: once the other thread has waited a switch interval, it takes the GIL at the "
+        "next bytecode, which may be one of the timing's own.",
         "- A GPU host runs the same Python and the same calls on the engine thread: the waits "
         "for the GIL depend on what its other threads do, not on the GPU.",
     ]
