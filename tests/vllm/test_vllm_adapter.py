@@ -1130,6 +1130,16 @@ def test_a_steps_instructions_are_handed_over_once_though_vllm_binds_then_starts
     assert first.cancels == ["d-req"]
     assert first.idle
     assert metadata.take() is None, "the instructions are handed over once"
+    # Through the connector: the worker acts on them once, and the step stays idle (or the
+    # worker's report would never wait).
+    applied: list[PushMetadata] = []
+    connector = worker_connector(
+        SimpleNamespace(kv_transfer_config=object()), SimpleNamespace(apply=applied.append)
+    )
+    idle = KvPushMetadata(PushMetadata(cancels=["d-req"], idle=True))
+    connector.bind_connector_metadata(idle)
+    connector.start_load_kv(None)
+    assert [(m.cancels, m.idle) for m in applied] == [(["d-req"], True)]
 
 
 class BusyEndpoint:
