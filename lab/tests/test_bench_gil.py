@@ -21,7 +21,7 @@ def test_every_call_is_timed_both_ways_and_the_section_is_written(tmp_path: Path
         "ready (P)",
         "abort (P)",
         "streams_ready (P, a layer)",
-        "poll (keeps the GIL)",
+        gil.POLL,
         gil.RELEASES,
     ]
     for s in samples:
