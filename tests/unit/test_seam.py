@@ -173,7 +173,12 @@ def test_the_calls_an_engine_step_makes_keep_the_gil() -> None:
                 endpoint.layers_ready(f"req-l{i}", [[2, 3]], 32, 0, 1)
                 endpoint.streams_ready(streams, 0, 1)
             held = spins - before
-            endpoint.wait(0.05)  # a wait gives the GIL up: the other thread runs
+            # A wait gives the GIL up and the other thread runs. It returns at once while the
+            # calls' events are queued, and the other thread may miss so short a release, so
+            # wait until it ran (or ten seconds went by).
+            deadline = time.monotonic() + 10.0
+            while spins == before + held and time.monotonic() < deadline:
+                endpoint.wait(0.05)
             released = spins - before - held
     finally:
         running = False
