@@ -9,6 +9,7 @@
 use kvpush_core::endpoint::{self as core, Event};
 use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyString, PyType};
 
 /// The methods every code enum has; `$ty` lists its variants with their codes.
@@ -47,9 +48,20 @@ macro_rules! code_enum {
                 })
             }
 
-            /// The class's own member for `self` (so that `is` holds against it).
+            /// The class's own member for `self` (so that `is` holds against it). Looked up
+            /// once per class: events hand members out on the engine's thread.
             pub(crate) fn member(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-                py.get_type::<Self>().getattr(self.attribute())
+                static MEMBERS: PyOnceLock<Vec<Py<PyAny>>> = PyOnceLock::new();
+                let members = MEMBERS.get_or_try_init(py, || {
+                    let class = py.get_type::<Self>();
+                    Self::ALL
+                        .iter()
+                        .map(|member| class.getattr(member.attribute()).map(Bound::unbind))
+                        .collect::<PyResult<Vec<_>>>()
+                })?;
+                // Variants without fields number from 0 in declaration order, as `ALL` lists
+                // them.
+                Ok(members[self as usize].bind(py).clone())
             }
         }
 
