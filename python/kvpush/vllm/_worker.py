@@ -573,8 +573,9 @@ class PushWorker:
         return bool(self._finished_sending or self._finished_recving)
 
     def take_stats(self) -> dict[str, object] | None:
-        """Transfer statistics since the last call (None when nothing happened)."""
-        self.poll()
+        """Statistics of the transfers :meth:`take_finished` collected since the last call (None
+        when none). vLLM asks for them right after the step's results: a transfer that ends
+        in between is counted with the next step's, not collected a second time here."""
         if _stats.is_empty(self._stats):
             return None
         stats, self._stats = self._stats, _stats.empty()
