@@ -233,7 +233,8 @@ class EndpointDouble:
         self._due.append((behaviour.polls, event))
 
     def ready(self, request_id: str, blocks: Any, num_tokens: int, **options: Any) -> None:
-        self.calls.append(("ready", request_id, blocks))
+        # As the native endpoint reads them: lists or tuples alike.
+        self.calls.append(("ready", request_id, [list(group) for group in blocks]))
         self._start("send", request_id)
 
     def streams_ready(self, streams: LayerStreams, start: int, end: int) -> None:

@@ -322,10 +322,10 @@ class PushWorker:
         try:
             self.endpoint.ready(
                 request_id,
-                [list(group) for group in send.blocks],
+                send.blocks,  # tuples, read as lists are
                 self._layout.tokens_to_write(send.num_tokens),
                 transfer_id=send.transfer_id,
-                first_tokens=list(send.first_tokens) or None,
+                first_tokens=send.first_tokens or None,
                 ttl=self._config.ttl,
             )
         except Exception as error:
@@ -384,10 +384,10 @@ class PushWorker:
             self.endpoint.expect(
                 request_id,
                 [f"{recv.remote_host}:{recv.remote_port + rank}" for rank in sources.ranks],
-                [list(group) for group in recv.blocks],
+                recv.blocks,
                 cache.tokens_to_write(recv.num_tokens),
                 transfer_id=recv.transfer_id,
-                first_tokens=list(recv.first_tokens) or [recv.first_token] * len(recv.blocks),
+                first_tokens=recv.first_tokens or [recv.first_token] * len(recv.blocks),
                 ttl=self._config.receive_timeout,
                 share=sources.share,
             )
