@@ -5,14 +5,16 @@ themselves are not asserted (the machine is shared)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
-from kvpush_lab.bench import gil, report
+from kvpush_lab.bench import gil
 
 
-def test_every_call_is_timed_both_ways_and_the_section_is_written(tmp_path: Path) -> None:
+def test_every_call_is_timed_both_ways_and_the_section_is_written(
+    section_written: Callable[[str, str], str],
+) -> None:
     lines: list[str] = []
     samples = gil.run(20, progress=lines.append)
     assert [s.call for s in samples] == [
@@ -28,10 +30,7 @@ def test_every_call_is_timed_both_ways_and_the_section_is_written(tmp_path: Path
         assert len(s.alone) == len(s.busy) == 20, s.call
         assert all(ns > 0 for ns in s.alone + s.busy), s.call
     assert len(lines) == 2
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n")
-    report.replace_section(doc, gil.SECTION, gil.markdown(samples, "cmd"))
-    text = doc.read_text()
+    text = section_written(gil.SECTION, gil.markdown(samples, "cmd"))
     assert f"## {gil.SECTION}" in text
     assert "| ready (P) |" in text
     assert "the call that gives the GIL up took" in text

@@ -5,14 +5,16 @@ The times themselves are not asserted (the machine is shared)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
-from kvpush_lab.bench import layers, report
+from kvpush_lab.bench import layers
 
 
-def test_both_ways_time_every_forward_and_the_section_is_written(tmp_path: Path) -> None:
+def test_both_ways_time_every_forward_and_the_section_is_written(
+    section_written: Callable[[str, str], str],
+) -> None:
     lines: list[str] = []
     points = layers.run([1, 3], layers=4, prompt_tokens=40, forwards=5, progress=lines.append)
     assert [p.requests for p in points] == [1, 3]
@@ -23,10 +25,7 @@ def test_both_ways_time_every_forward_and_the_section_is_written(tmp_path: Path)
         assert (p.refused, p.batched_refused) == (0, 0)
     assert len(lines) == 2
     assert "3 requests x 4 layers" in lines[1]
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n")
-    report.replace_section(doc, layers.SECTION, layers.markdown(points, "cmd", 4, 40))
-    text = doc.read_text()
+    text = section_written(layers.SECTION, layers.markdown(points, "cmd", 4, 40))
     assert f"## {layers.SECTION}" in text
     assert "one call per layer over one per request per layer" in text
     assert "| 3 |" in text

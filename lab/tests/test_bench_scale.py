@@ -6,9 +6,9 @@ and CPU figures are reported, not checked."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
-from kvpush_lab.bench import report, scale
+from kvpush_lab.bench import scale
 from kvpush_lab.bench.child import run_in_child
 
 
@@ -34,16 +34,15 @@ def test_p_restarting_under_more_peers_than_handshake_slots_loses_no_receive() -
     assert sample.p_idle_percent >= 0
 
 
-def test_the_section_has_both_tables_and_a_verdict_per_size(tmp_path: Path) -> None:
+def test_the_section_has_both_tables_and_a_verdict_per_size(
+    section_written: Callable[[str, str], str],
+) -> None:
     lost = scale.Round("c", done=3, lost={"unreachable": 1}, reasons={"unreachable": "why"})
     samples = [
         scale.ScaleSample(4, 16, 6, 4, 5, 100.0, 0.5, 1.0, 1.0, [scale.Round("c", done=4)]),
         scale.ScaleSample(4, 16, 6, 4, 5, 100.0, 0.5, 1.0, 1.0, [scale.Round("a", 4), lost]),
     ]
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n")
-    report.replace_section(doc, scale.SECTION, scale.markdown(samples, "kvpush bench scale"))
-    text = doc.read_text()
+    text = section_written(scale.SECTION, scale.markdown(samples, "kvpush bench scale"))
     assert f"## {scale.SECTION}" in text
     assert "| 4 | 6 (2 + 4) | 5 | 100 KiB | 0.50% | 1.00% | 0 ns |" in text
     assert "no receive lost: **met**." in text
