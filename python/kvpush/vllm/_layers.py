@@ -26,7 +26,7 @@ logger = logging.getLogger("vllm.kvpush")
 CLOSE_WAIT_S = 5.0
 
 # The records below are read-only by convention, not frozen: a frozen dataclass assigns each
-# field through ``object.__setattr__``: about 1 µs more per record, one per layer of a GPU forward.
+# field through ``object.__setattr__``, about 1 µs more per record, one per layer of a GPU forward.
 
 
 @dataclass(slots=True)

@@ -322,7 +322,7 @@ class PushWorker:
         try:
             self.endpoint.ready(
                 request_id,
-                send.blocks,  # tuples, read as lists are
+                send.blocks,  # tuples: the endpoint reads them as it reads lists
                 self._layout.tokens_to_write(send.num_tokens),
                 transfer_id=send.transfer_id,
                 first_tokens=send.first_tokens or None,
